@@ -1,0 +1,661 @@
+"""Benchmark of MLA decode: every registered kernel of ours against vLLM 0.26's MLA decode kernels.
+
+    python benchmarks/bench_decode.py                   # standard grid, all our kernels, default peers
+    python benchmarks/bench_decode.py --quick           # a subset (< 2 minutes on an H100)
+    python benchmarks/bench_decode.py --with-flashinfer # + FlashInfer (JIT-compiles with nvcc first)
+    python benchmarks/bench_decode.py --dry-run         # grid, kernels and peers with reasons; no GPU needed
+
+Per cell (batch B, KV length S, q_len, KV dtype): inputs are built once and shared by every kernel; each
+kernel's output is checked against the package's float32 reference (a wrong kernel is reported, not timed);
+each correct kernel is captured in a CUDA graph that cycles through enough copies of the KV cache that L2
+cannot serve them; graphs of all kernels are replayed interleaved and timed with CUDA events. Results go to
+results.csv / results.json / results.md / plots/*.png (see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+import peers  # before mla_backend_plugin: it puts the repository root on sys.path when not installed
+import report
+from peers import PEERS, Cell, DecodeInputs, PeerCall, check_against_reference, make_inputs, reference
+
+from mla_backend_plugin.ops.api import mla_decode, prepare_args
+from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
+from mla_backend_plugin.ops.registry import KERNELS, available_kernels
+from mla_backend_plugin.ops.workspace import MLAWorkspace
+
+GRIDS = {
+    "standard": dict(batches=(1, 8, 32, 64, 128, 256), seq_lens=(1024, 4096, 8192, 32768), q_lens=(1, 2),
+                     kv_dtypes=("bf16", "fp8")),
+    # Few shapes so that few Triton specialisations compile, one short and one long context per batch.
+    "quick": dict(batches=(1, 64), seq_lens=(1024, 8192), q_lens=(1, 2), kv_dtypes=("bf16", "fp8")),
+}
+DEFAULT_TIME_PER_KERNEL_S = {"standard": 0.25, "quick": 0.05}
+DEFAULT_PEERS = tuple(name for name, peer in PEERS.items() if not peer.opt_in)
+NOT_BENCHMARKED_KERNELS = ("reference",)  # host loop, not CUDA-graph safe
+H100_L2_BYTES = 50 * 2**20  # for --dry-run without a GPU
+# Device memory a cell needs beyond its KV copies, per query row (token x head): fp32 split-KV partials of
+# the kernels (FA3 alone keeps 32 under CUDA graphs), outputs and the float32 reference; plus a fixed margin.
+SCRATCH_FP32_ROWS_PER_QUERY_ROW = 64
+CELL_MEMORY_MARGIN_BYTES = 2 * 2**30
+
+
+class FatalCudaError(RuntimeError):
+    """A kernel broke the CUDA context (e.g. an illegal address): nothing after it can be trusted."""
+
+    def __init__(self, message: str, rows: list[dict]):
+        super().__init__(message)
+        self.rows = rows  # the cell's rows so far, the culprit's marked "error"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Our kernels, behind the same interface as the peers (peers.Peer)
+# ----------------------------------------------------------------------------------------------------------
+
+class OurKernel:
+    kind = report.OURS
+
+    def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool):
+        self.kernel = kernel
+        self.fp8_query = fp8_query  # the q dtype this variant takes in fp8-KV cells
+        # an fp8-q variant next to the bf16-q one runs the same thing in bf16-KV cells: run it once
+        self.shadowed_in_bf16_cells = shadowed_in_bf16_cells
+        self.name = kernel if fp8_query == "bf16" else f"{kernel}/fp8q"
+        self.description = KERNELS[kernel].description
+
+    def available(self) -> tuple[bool, str]:
+        return (True, "registered") if torch.cuda.is_available() else (False, "no CUDA device here")
+
+    def query_dtype(self, cell: Cell, cc) -> str:
+        return self.fp8_query if cell.kv_dtype == "fp8" else "bf16"
+
+    def unsupported_reason(self, cell: Cell, cc) -> str | None:
+        """The registry's own verdict, on meta tensors of the cell's shapes (no device memory)."""
+        if cc is None:
+            return "needs a CUDA device"
+        if self.shadowed_in_bf16_cells and cell.kv_dtype == "bf16":
+            return f"same run as {self.kernel} in bf16-KV cells"
+        meta = torch.device("meta")
+        q_dtype = peers.TORCH_DTYPES[self.query_dtype(cell, cc)]
+        q = torch.empty(cell.tokens, cell.num_heads, QK_HEAD_DIM, dtype=q_dtype, device=meta)
+        kv = torch.empty(cell.num_blocks, cell.block_size, QK_HEAD_DIM, dtype=peers.TORCH_DTYPES[cell.kv_dtype],
+                         device=meta)
+        block_table = torch.empty(cell.batch, cell.pages_per_request, dtype=torch.int32, device=meta)
+        seq_lens = torch.empty(cell.batch, dtype=torch.int32, device=meta)
+        try:
+            args = prepare_args(q, kv, block_table, seq_lens, softmax_scale=1.0,
+                                q_scale=1.0 if q_dtype == peers.FP8_DTYPE else None,
+                                kv_scale=1.0 if cell.kv_dtype == "fp8" else None, out_dtype=torch.bfloat16)
+        except ValueError as e:
+            return str(e)
+        return KERNELS[self.kernel].unsupported_reason(args, tuple(cc))
+
+    def prepare(self, inputs: DecodeInputs) -> PeerCall:
+        cell = inputs.cell
+        q, q_scale = inputs.query(self.query_dtype(cell, None))
+        workspace = MLAWorkspace(inputs.device, max_batch=cell.batch, max_q_len=cell.q_len,
+                                 num_heads=cell.num_heads)
+        out = torch.empty(cell.tokens, cell.num_heads, KV_LORA_RANK, dtype=torch.bfloat16, device=inputs.device)
+        lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=inputs.device)
+
+        def launch(i):
+            return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
+                              softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=inputs.kv_scale,
+                              out=out, lse=lse, workspace=workspace, kernel=self.kernel)
+
+        return PeerCall(launch, lambda raw: raw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Device peaks and timing
+# ----------------------------------------------------------------------------------------------------------
+
+def _event_times_s(fn, iters: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def measure_hbm_bytes_per_s(device, nbytes: int = 2**30, iters: int = 20) -> float:
+    """A device-to-device copy far larger than L2, counting read + write bytes; the best of ``iters``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = min(_event_times_s(lambda: dst.copy_(src), iters))
+    return 2 * nbytes / best
+
+
+def measure_bf16_flops_per_s(device, n: int = 8192, iters: int = 20) -> float:
+    """An n^3 bf16 matmul (cuBLAS); the best of ``iters``."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    best = min(_event_times_s(lambda: torch.matmul(a, b, out=c), iters))
+    return 2 * n**3 / best
+
+
+def kv_copies_for(cell: Cell, l2_bytes: int, l2_factor: float, max_copies: int) -> int:
+    """Enough KV copies to add up to l2_factor x L2, so that reading them round-robin misses L2."""
+    return max(1, min(max_copies, math.ceil(l2_factor * l2_bytes / cell.kv_bytes_per_copy)))
+
+
+def calls_per_graph_for(copies: int, min_calls: int) -> int:
+    """A multiple of the copy count (each copy read equally often), at least min_calls."""
+    return copies * math.ceil(min_calls / copies)
+
+
+def estimate_cell_bytes(cell: Cell, copies: int) -> int:
+    query_rows = cell.tokens * cell.num_heads
+    return (cell.kv_bytes_per_copy * copies + query_rows * KV_LORA_RANK * 4 * SCRATCH_FP32_ROWS_PER_QUERY_ROW
+            + CELL_MEMORY_MARGIN_BYTES)
+
+
+def capture_graph(launch, copies: int, calls: int) -> torch.cuda.CUDAGraph:
+    """One graph of ``calls`` decode calls cycling through the KV copies."""
+    # Warm up on a side stream first: lazy initialisation must not happen during capture.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(copies, 2)):
+            launch(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k in range(calls):
+            launch(k % copies)
+    return graph
+
+
+@dataclasses.dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    replays: int
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def time_graphs(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], target_s: float, min_replays: int,
+                max_replays: int, warmup: int) -> dict[str, Timing]:
+    """Replay every graph interleaved (round-robin), each replay timed by its own pair of CUDA events.
+
+    A kernel gets about ``target_s`` seconds of replays, within [min_replays, max_replays]; times are per
+    decode call (replay time / calls in the graph).
+    """
+    replays = {}
+    for name, (graph, _) in graphs.items():
+        for _ in range(warmup):
+            graph.replay()
+        estimate_s = min(_event_times_s(graph.replay, iters=1, warmup=0))
+        replays[name] = int(min(max_replays, max(min_replays, math.ceil(target_s / max(estimate_s, 1e-7)))))
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(n)] for name, n in replays.items()}
+    for rep in range(max(replays.values(), default=0)):
+        for name, (graph, _) in graphs.items():
+            if rep < replays[name]:
+                start, end = events[name][rep]
+                start.record()
+                graph.replay()
+                end.record()
+    torch.cuda.synchronize()
+    timings = {}
+    for name, (_, calls) in graphs.items():
+        per_call_us = sorted(start.elapsed_time(end) * 1e3 / calls for start, end in events[name])
+        timings[name] = Timing(_quantile(per_call_us, 0.5), _quantile(per_call_us, 0.1),
+                               _quantile(per_call_us, 0.9), len(per_call_us))
+    return timings
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One cell
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RunContext:
+    device: torch.device
+    cc: tuple[int, int]
+    l2_bytes: int
+    hbm_bytes_per_s: float
+    peak_flops_per_s: float
+    unavailable: dict[str, str]  # runner name -> why it cannot run at all
+    args: argparse.Namespace
+
+
+# Sticky CUDA errors: after one of these every later CUDA call fails (unlike, say, a failed graph capture).
+_STICKY_CUDA_ERRORS = ("illegal memory access", "illegal instruction", "misaligned address",
+                       "unspecified launch failure", "device-side assert")
+
+
+def _is_fatal_cuda_error(e: BaseException) -> bool:
+    text = str(e)
+    return any(marker in text for marker in _STICKY_CUDA_ERRORS)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
+    """Rows of every runner for one cell: n/a ones with their reason, the others checked and timed."""
+    args = ctx.args
+    cell_fields = cell.as_dict()
+    rows: dict[str, dict] = {}
+    active = []
+    for runner in runners:
+        q_dtype = runner.query_dtype(cell, ctx.cc)
+        reason = ctx.unavailable.get(runner.name) or runner.unsupported_reason(cell, ctx.cc)
+        status = report.NOT_APPLICABLE if reason else report.OK
+        rows[runner.name] = report.new_row(runner.name, runner.kind, cell_fields, q_dtype, status, reason or "")
+        if not reason:
+            active.append(runner)
+
+    copies = kv_copies_for(cell, ctx.l2_bytes, args.l2_factor, args.max_kv_copies)
+    calls = calls_per_graph_for(copies, args.min_calls_per_graph)
+    torch.cuda.empty_cache()
+    free_bytes = torch.cuda.mem_get_info(ctx.device)[0]
+    need_bytes = estimate_cell_bytes(cell, copies)
+    if active and need_bytes > free_bytes:
+        note = f"does not fit: needs ~{need_bytes / 2**30:.1f} GiB, {free_bytes / 2**30:.1f} GiB free"
+        for runner in active:
+            rows[runner.name].update(status=report.SKIPPED, note=note)
+        active = []
+
+    inputs = refs = graphs = prepared = None
+    try:
+        if active:
+            inputs = make_inputs(cell, ctx.device, copies, args.softmax_scale, args.seed)
+            # A CUDA graph does not keep the tensors it reads alive: each runner's prepared call (its planning
+            # metadata, output and scratch buffers) must outlive its graph, or the next runner's allocations
+            # reuse that memory and the replay reads freed memory.
+            refs, graphs, prepared = {}, {}, {}
+        for runner in active:
+            row = rows[runner.name]
+            row.update(kv_copies=copies, calls_per_graph=calls)
+            phase = "prepare"  # named in the note of a failure, to tell planning, running and capture apart
+            try:
+                call = prepared[runner.name] = runner.prepare(inputs)
+                phase = "first call"
+                out, lse = call(0)
+                torch.cuda.synchronize()
+                phase = "reference check"
+                if row["q_dtype"] not in refs:
+                    refs[row["q_dtype"]] = reference(inputs, row["q_dtype"])
+                check = check_against_reference(out, lse, *refs[row["q_dtype"]], cell.kv_dtype)
+                del out, lse
+                row.update(max_abs_err=check.max_abs_err, lse_max_abs_err=check.lse_max_abs_err, note=check.note)
+                if not check.ok:
+                    row["status"] = report.WRONG
+                    continue
+                phase = "CUDA-graph capture"
+                graphs[runner.name] = (capture_graph(call.launch, copies, calls), calls)
+            except torch.OutOfMemoryError as e:
+                row.update(status=report.SKIPPED, note=f"out of memory in {phase}: {_one_line(e)}")
+            except Exception as e:  # noqa: BLE001 - a failing kernel is a result, not the end of the run
+                row.update(status=report.ERROR, note=f"{phase}: {_one_line(e)}")
+                if _is_fatal_cuda_error(e):
+                    for other in rows.values():
+                        if other["status"] == report.OK:
+                            other.update(status=report.ERROR, note="not timed: the CUDA context broke in this cell")
+                    raise FatalCudaError(f"{runner.name} on {cell.label()}: {_one_line(e)}",
+                                         [rows[r.name] for r in runners]) from e
+        if graphs:
+            timings = time_graphs(graphs, args.time_per_kernel, args.min_replays, args.max_replays,
+                                  args.warmup_replays)
+            for name, timing in timings.items():
+                rows[name].update(time_us=timing.median_us, time_us_p10=timing.p10_us, time_us_p90=timing.p90_us,
+                                  replays=timing.replays)
+    except torch.OutOfMemoryError as e:
+        for row in rows.values():
+            if row["status"] == report.OK and row["time_us"] is None:
+                row.update(status=report.SKIPPED, note=f"out of memory: {_one_line(e)}")
+    finally:
+        del inputs, refs, graphs, prepared
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    for row in rows.values():
+        report.fill_metrics(row, ctx.hbm_bytes_per_s, ctx.peak_flops_per_s)
+    return [rows[runner.name] for runner in runners]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ours_default = [k for k in available_kernels() if k not in NOT_BENCHMARKED_KERNELS]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sel = parser.add_argument_group("what runs")
+    sel.add_argument("--kernels", type=_name_list, default=tuple(ours_default),
+                     help=f"our kernels, comma-separated, or 'none' (default: every registered kernel but "
+                          f"{', '.join(NOT_BENCHMARKED_KERNELS)}: {','.join(ours_default)})")
+    sel.add_argument("--peers", type=_name_list, default=DEFAULT_PEERS,
+                     help=f"peers, comma-separated, 'all' or 'none' (default: {','.join(DEFAULT_PEERS)}; "
+                          f"known: {','.join(PEERS)})")
+    sel.add_argument("--with-flashinfer", action="store_true",
+                     help="add flashinfer_mla to the peers (JIT-compiles with nvcc on first use: minutes)")
+    sel.add_argument("--flashinfer-timeout", type=float, default=900.0,
+                     help="seconds allowed for FlashInfer's JIT warm-up (run in a subprocess); on timeout or "
+                          "failure it is reported n/a (default: %(default)s)")
+    sel.add_argument("--ours-fp8-q", type=_name_list, default=("bf16",),
+                     help="q dtype(s) our kernels take in fp8-KV cells: bf16 (what the CUTE_MLA vLLM backend "
+                          "asks for by default), fp8 (with CUTE_MLA_FP8_QUERY=1), or fp8,bf16 for both "
+                          "(default: bf16)")
+    grid = parser.add_argument_group("grid (defaults: the standard grid, or the quick one with --quick)")
+    grid.add_argument("--quick", action="store_true", help="a subset of the grid that runs in < 2 minutes")
+    grid.add_argument("--batches", type=_int_list, help="batch sizes B, e.g. 1,8,32")
+    grid.add_argument("--seq-lens", type=_int_list, help="KV lengths S (incl. the new tokens), e.g. 1024,4096")
+    grid.add_argument("--q-lens", type=_int_list, help="query tokens per request, e.g. 1,2")
+    grid.add_argument("--kv-dtypes", type=_name_list, help="KV-cache dtypes: bf16, fp8")
+    grid.add_argument("--num-heads", type=int, default=128, help="query heads per rank (default: %(default)s)")
+    grid.add_argument("--block-size", type=int, default=64, help="KV-cache page size (default: %(default)s)")
+    grid.add_argument("--softmax-scale", type=float, default=peers.DEFAULT_SOFTMAX_SCALE,
+                      help="default: 1/sqrt(128 + 64), DeepSeek's head dim before absorption")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--time-per-kernel", type=float,
+                        help="seconds of timed replays per kernel and cell (default: 0.25, quick: 0.05)")
+    timing.add_argument("--min-replays", type=int, default=10)
+    timing.add_argument("--max-replays", type=int, default=1000)
+    timing.add_argument("--warmup-replays", type=int, default=3)
+    timing.add_argument("--min-calls-per-graph", type=int, default=8,
+                        help="decode calls per CUDA graph at least (amortises the replay launch)")
+    timing.add_argument("--l2-factor", type=float, default=2.0,
+                        help="KV copies rotated through add up to at least this many times L2 (default: 2)")
+    timing.add_argument("--max-kv-copies", type=int, default=256)
+    timing.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--out-dir", type=Path,
+                     help="default: benchmarks/results/<device-name>_<date>[_quick]/")
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--dry-run", action="store_true",
+                     help="print the grid, kernels and peers (importable or not, with reasons) and exit")
+    out.add_argument("--assume-sm", type=int, default=90,
+                     help="--dry-run without a GPU: decide per-cell support for this SM (default: %(default)s)")
+    args = parser.parse_args(argv)
+
+    grid_name = "quick" if args.quick else "standard"
+    base = GRIDS[grid_name]
+    args.grid_name = grid_name
+    args.batches = args.batches or base["batches"]
+    args.seq_lens = args.seq_lens or base["seq_lens"]
+    args.q_lens = args.q_lens or base["q_lens"]
+    args.kv_dtypes = args.kv_dtypes or base["kv_dtypes"]
+    if args.time_per_kernel is None:
+        args.time_per_kernel = DEFAULT_TIME_PER_KERNEL_S[grid_name]
+
+    if args.kernels == ("none",):
+        args.kernels = ()
+    for k in args.kernels:
+        if k not in available_kernels() or k in NOT_BENCHMARKED_KERNELS:
+            parser.error(f"--kernels: {k!r} is not a benchmarkable kernel; choose from {','.join(ours_default)}")
+    if args.peers == ("all",):
+        args.peers = tuple(PEERS)
+    elif args.peers == ("none",):
+        args.peers = ()
+    if args.with_flashinfer and "flashinfer_mla" not in args.peers:
+        args.peers += ("flashinfer_mla",)
+    for p in args.peers:
+        if p not in PEERS:
+            parser.error(f"--peers: unknown peer {p!r}; known: {','.join(PEERS)}")
+    for d in args.kv_dtypes:
+        if d not in peers.TORCH_DTYPES:
+            parser.error(f"--kv-dtypes: {d!r} is not one of {','.join(peers.TORCH_DTYPES)}")
+    for d in args.ours_fp8_q:
+        if d not in ("fp8", "bf16"):
+            parser.error(f"--ours-fp8-q: {d!r} is not fp8 or bf16")
+    return args
+
+
+def build_cells(args) -> list[Cell]:
+    return [Cell(batch=b, seq_len=s, q_len=q, kv_dtype=d, num_heads=args.num_heads, block_size=args.block_size)
+            for d in args.kv_dtypes for q in args.q_lens for b in args.batches for s in args.seq_lens]
+
+
+def build_runners(args) -> list:
+    ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in args.ours_fp8_q))
+            for k in args.kernels for q in dict.fromkeys(args.ours_fp8_q)]
+    return ours + [PEERS[name] for name in args.peers]
+
+
+def _versions() -> str:
+    parts = []
+    for dist in ("torch", "triton", "vllm", "flashinfer-python", "mla_backend_plugin"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} -")
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    return ", ".join(parts)
+
+
+def default_out_dir(args, device_name: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
+    suffix = "_quick" if args.grid_name == "quick" else ""
+    return peers.REPO_ROOT / "benchmarks" / "results" / f"{slug}_{datetime.date.today().isoformat()}{suffix}"
+
+
+def dry_run(args, cells: list[Cell], runners: list) -> None:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        cc = torch.cuda.get_device_capability(0)
+        l2_bytes = props.L2_cache_size
+        print(f"device: {props.name} (SM{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, "
+              f"{props.total_memory / 2**30:.0f} GiB, L2 {l2_bytes / 2**20:.0f} MiB)")
+    else:
+        cc = divmod(args.assume_sm, 10)
+        l2_bytes = H100_L2_BYTES
+        print(f"device: none (no CUDA here); per-cell support below assumes SM{args.assume_sm} and an "
+              f"H100-sized L2 ({l2_bytes >> 20} MiB)")
+    print(f"grid '{args.grid_name}': {len(cells)} cells = B {list(args.batches)} x S {list(args.seq_lens)} x "
+          f"q_len {list(args.q_lens)} x KV {list(args.kv_dtypes)}; {args.num_heads} heads, block size "
+          f"{args.block_size}; ~{args.time_per_kernel} s of replays per kernel and cell")
+    print("\nkernels:")
+    for runner in runners:
+        ok, reason = runner.available()
+        print(f"  {runner.kind:4}  {runner.name:15} {'yes' if ok else 'no '}  {reason}")
+        print(f"        {'':15}      {runner.description}")
+    skipped = [name for name in PEERS if name not in args.peers]
+    if skipped:
+        print(f"  not selected: {', '.join(skipped)} (--peers / --with-flashinfer)")
+
+    print("\nper cell: KV MiB per copy, copies rotated, calls per graph, estimated GiB; "
+          "then run / n/a per kernel")
+    names = [r.name for r in runners]
+    print(f"  {'B':>4} {'S':>6} {'q':>2} {'kv':>4} {'MiB':>8} {'copies':>6} {'calls':>5} {'GiB':>6}  "
+          + " ".join(f"{n:>15}" for n in names))
+    reasons: dict[tuple[str, str], int] = {}
+    for cell in cells:
+        copies = kv_copies_for(cell, l2_bytes, args.l2_factor, args.max_kv_copies)
+        marks = []
+        for runner in runners:
+            reason = runner.unsupported_reason(cell, cc)
+            marks.append("n/a" if reason else "run")
+            if reason:
+                reasons[(runner.name, reason)] = reasons.get((runner.name, reason), 0) + 1
+        print(f"  {cell.batch:>4} {cell.seq_len:>6} {cell.q_len:>2} {cell.kv_dtype:>4} "
+              f"{cell.kv_bytes_per_copy / 2**20:>8.1f} {copies:>6} "
+              f"{calls_per_graph_for(copies, args.min_calls_per_graph):>5} "
+              f"{estimate_cell_bytes(cell, copies) / 2**30:>6.1f}  " + " ".join(f"{m:>15}" for m in marks))
+    if reasons:
+        print("\nn/a reasons:")
+        for (name, reason), count in sorted(reasons.items()):
+            print(f"  {name} ({count} cells): {reason}")
+
+
+def warm_up_flashinfer(args) -> str | None:
+    """JIT-compile FlashInfer's MLA kernels in a subprocess with a time limit (``peers.py --smoke``).
+
+    The compiled modules land in FlashInfer's JIT cache, from which this process then loads them quickly.
+    Returns None when FlashInfer can be used, else the reason it cannot.
+    """
+    cmd = [sys.executable, str(Path(peers.__file__).resolve()), "--smoke", "flashinfer_mla",
+           "--kv-dtypes", ",".join(args.kv_dtypes), "--q-lens", ",".join(map(str, args.q_lens)),
+           "--block-size", str(args.block_size), "--num-heads", str(args.num_heads)]
+    print(f"FlashInfer warm-up (JIT, up to {args.flashinfer_timeout:.0f} s): {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    # Own session, so that on timeout the compiler processes it started are ended with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.flashinfer_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"FlashInfer JIT warm-up did not finish in {args.flashinfer_timeout:.0f} s (--flashinfer-timeout)"
+    print(output.rstrip())
+    print(f"FlashInfer warm-up: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
+    if proc.returncode not in (peers.SMOKE_OK, peers.SMOKE_WRONG):
+        tail = " | ".join(line for line in output.strip().splitlines()[-3:])
+        return f"FlashInfer warm-up failed (exit {proc.returncode}): {tail}"[:400]
+    return None
+
+
+class _LineProgress:
+    """Stand-in for tqdm: one line per cell."""
+
+    def __init__(self, items, desc):
+        self.items, self.desc = list(items), desc
+
+    def __iter__(self):
+        for i, item in enumerate(self.items):
+            print(f"[{i + 1}/{len(self.items)}] {self.desc}: {item.label()}", flush=True)
+            yield item
+
+    def set_postfix_str(self, text):
+        pass
+
+    @staticmethod
+    def write(text):
+        print(text, flush=True)
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _LineProgress(items, desc)
+    return tqdm(items, desc=desc, unit="cell", dynamic_ncols=True, file=sys.stdout)
+
+
+def _cell_summary(cell: Cell, rows: list[dict]) -> str:
+    parts = [f"{r['kernel']} {r['time_us']:.1f}us" if r["status"] == report.OK else f"{r['kernel']} {r['status']}"
+             for r in rows]
+    return f"{cell.label()}: " + ", ".join(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cells = build_cells(args)
+    runners = build_runners(args)
+    if args.dry_run:
+        dry_run(args, cells, runners)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_decode.py needs a CUDA device (use --dry-run to see the plan here)", file=sys.stderr)
+        return 2
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    cc = torch.cuda.get_device_capability(device)
+    unavailable = {}
+    for runner in runners:
+        ok, reason = runner.available()
+        if ok and runner.name == "flashinfer_mla":
+            reason = warm_up_flashinfer(args)
+            ok = reason is None
+        if not ok:
+            unavailable[runner.name] = f"unavailable: {reason}"
+        print(f"{runner.kind:4} {runner.name:15} {'available' if ok else unavailable[runner.name]}")
+
+    hbm = measure_hbm_bytes_per_s(device)
+    peak = measure_bf16_flops_per_s(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"{props.name}: SM{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB; "
+          f"measured HBM {hbm / 1e9:.0f} GB/s (copy, read + write), bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+
+    out_dir = args.out_dir or default_out_dir(args, props.name)
+    meta = dict(device_name=props.name, compute_capability=f"{cc[0]}.{cc[1]}", sm_count=props.multi_processor_count,
+                l2_mib=props.L2_cache_size / 2**20, hbm_gbps=hbm / 1e9, peak_tflops=peak / 1e12,
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command=" ".join(["python"] + (sys.argv if argv is None else [sys.argv[0], *argv])),
+                grid=f"{args.grid_name}: B {list(args.batches)} x S {list(args.seq_lens)} x q_len "
+                     f"{list(args.q_lens)} x KV {list(args.kv_dtypes)}, {args.num_heads} heads, block "
+                     f"{args.block_size}",
+                versions=_versions(), unavailable=unavailable,
+                timing=dict(time_per_kernel_s=args.time_per_kernel, min_replays=args.min_replays,
+                            max_replays=args.max_replays, min_calls_per_graph=args.min_calls_per_graph,
+                            l2_factor=args.l2_factor, max_kv_copies=args.max_kv_copies),
+                softmax_scale=args.softmax_scale, seed=args.seed)
+    ctx = RunContext(device=device, cc=cc, l2_bytes=props.L2_cache_size, hbm_bytes_per_s=hbm,
+                     peak_flops_per_s=peak, unavailable=unavailable, args=args)
+
+    rows: list[dict] = []
+    bar = progress(cells, "MLA decode")
+    t0 = time.time()
+    exit_code = 0
+    try:
+        for cell in bar:
+            bar.set_postfix_str(cell.label())
+            cell_rows = run_cell(cell, runners, ctx)
+            rows += cell_rows
+            bar.write(_cell_summary(cell, cell_rows))
+            for row in cell_rows:
+                if row["kind"] == report.OURS and row["status"] in (report.WRONG, report.ERROR):
+                    bar.write(f"  !! {row['kernel']} {row['status']}: {row['note']}")
+            # Keep the machine-readable results current, so that a run cut short still leaves them.
+            out_dir.mkdir(parents=True, exist_ok=True)
+            report.write_csv(report.annotate_speedups(rows), out_dir / "results.csv")
+            report.write_json(rows, meta, out_dir / "results.json")
+    except (Exception, KeyboardInterrupt) as e:  # keep what was measured: the report is written below
+        if isinstance(e, FatalCudaError):
+            rows += e.rows
+        traceback.print_exc()
+        print(f"stopping early: {_one_line(e)}", file=sys.stderr)
+        meta["stopped_early"] = _one_line(e)
+        exit_code = 1
+    meta["wall_s"] = round(time.time() - t0, 1)
+    for path in report.write_report(report.annotate_speedups(rows), meta, out_dir, plots=not args.no_plots):
+        print(path)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

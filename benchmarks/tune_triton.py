@@ -1,0 +1,101 @@
+"""Sweep the Triton decode kernel's tile configurations on the GPU at hand, beside vLLM's Triton MLA decode.
+
+    python benchmarks/tune_triton.py                    # default sweep, prints a table per shape
+    python benchmarks/tune_triton.py --quick            # fewer configs
+
+Each configuration is checked against the float32 reference before it is timed (CUDA graphs, KV rotated past
+L2, median), with the same timing code as bench_decode.py. The winner goes into
+mla_backend_plugin/kernels/triton_decode/config.py by hand, with the numbers in benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+import peers  # noqa: F401  (puts the repository root on sys.path)
+from bench_decode import calls_per_graph_for, capture_graph, kv_copies_for, time_graphs
+from peers import PEERS, Cell, check_against_reference, make_inputs, reference
+
+from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig
+from mla_backend_plugin.kernels.triton_decode.kernel import launch
+from mla_backend_plugin.ops.api import prepare_args
+from mla_backend_plugin.ops.workspace import MLAWorkspace
+
+SHAPES = [Cell(1, 8192, 1, "bf16", 128, 64), Cell(8, 4096, 1, "bf16", 128, 64), Cell(64, 8192, 1, "bf16", 128, 64),
+          Cell(128, 4096, 1, "bf16", 128, 64), Cell(64, 8192, 2, "bf16", 128, 64),
+          Cell(64, 8192, 1, "fp8", 128, 64)]
+
+
+def configs(quick: bool) -> list[TritonDecodeConfig]:
+    if quick:
+        grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (2,))
+    else:
+        grid = itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3))
+    out = []
+    for m, n, w, s in grid:
+        if m == 64 and w == 4 and n == 64:
+            continue  # 64x512 fp32 accumulator + 64-wide tiles on one warpgroup: certain to spill
+        out.append(TritonDecodeConfig(block_m=m, block_n=n, num_warps=w, num_stages=s))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--time-per-config", type=float, default=0.05)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    print(f"{torch.cuda.get_device_name(device)}")
+    for cell in SHAPES:
+        copies = kv_copies_for(cell, l2, 2.0, 64)
+        calls = calls_per_graph_for(copies, 8)
+        inputs = make_inputs(cell, device, copies)
+        ref = reference(inputs, "bf16")
+        graphs, keep, rows = {}, {}, []
+        for cfg in configs(args.quick):
+            ws = MLAWorkspace(device, max_batch=cell.batch, max_q_len=cell.q_len, num_heads=cell.num_heads,
+                              rows_per_cta=cfg.block_m)
+            out = torch.empty(cell.tokens, cell.num_heads, 512, dtype=torch.bfloat16, device=device)
+            lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=device)
+            q, _ = inputs.query("bf16")
+
+            def run(i, cfg=cfg, ws=ws, out=out, lse=lse, q=q):
+                a = prepare_args(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
+                                 softmax_scale=inputs.softmax_scale, kv_scale=inputs.kv_scale, out=out, lse=lse)
+                launch(a, ws, cfg)
+            name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+            try:
+                run(0)
+                torch.cuda.synchronize()
+                check = check_against_reference(out, lse, *ref, cell.kv_dtype)
+                if not check.ok:
+                    rows.append((name, "wrong", check.note))
+                    continue
+                graphs[name] = (capture_graph(run, copies, calls), calls)
+                keep[name] = (ws, out, lse)
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile (smem, regs) is a result
+                rows.append((name, "error", str(e).splitlines()[0][:100]))
+        peer = PEERS.get("triton_mla")
+        if peer is not None and peer.available()[0] and cell.q_len == 1:
+            call = peer.prepare(inputs)
+            call(0)
+            graphs["vllm_triton_mla"] = (capture_graph(call.launch, copies, calls), calls)
+            keep["vllm_triton_mla"] = call
+        timings = time_graphs(graphs, args.time_per_config, 10, 400, 2)
+        kv_bytes = cell.batch * cell.seq_len * 576 * (1 if cell.kv_dtype == "fp8" else 2)
+        print(f"\n== B={cell.batch} S={cell.seq_len} q_len={cell.q_len} kv={cell.kv_dtype} "
+              f"(KV {kv_bytes / 1e6:.0f} MB)")
+        for name, t in sorted(timings.items(), key=lambda kv: kv[1].median_us)[:12]:
+            print(f"  {name:18s} {t.median_us:9.1f} us  {kv_bytes / t.median_us / 1e3:7.0f} GB/s")
+        for name, status, note in rows:
+            print(f"  {name:18s} {status}: {note}")
+        del graphs, keep, inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Ahead-of-time compilation of every decode kernel variant for one GPU architecture, with no GPU needed.
+
+    python -m mla_backend_plugin.compile --arch sm_90a
+    python -m mla_backend_plugin.compile --arch sm_120a --kernels triton
+
+Prints one row per variant (name, registers, shared memory, spill bytes, seconds) and exits non-zero if any
+variant fails to compile. CI runs it for every architecture a kernel claims. Registers and spills come from
+``ptxas -v`` on the PTX the kernel compiler produced (Triton ships its own ptxas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+# arch name -> (compute capability as Triton's GPUTarget takes it, ptxas --gpu-name)
+ARCHS = {
+    "sm_80": (80, "sm_80"),
+    "sm_89": (89, "sm_89"),
+    "sm_90a": (90, "sm_90a"),
+    "sm_100a": (100, "sm_100a"),
+    "sm_120a": (120, "sm_120a"),
+}
+
+
+@dataclasses.dataclass
+class VariantResult:
+    name: str
+    ok: bool
+    registers: int | None = None
+    shared_bytes: int | None = None
+    spill_bytes: int | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+def _find_ptxas() -> str:
+    """Triton's bundled ptxas (it matches the PTX Triton emits), else the CUDA toolkit's."""
+    import triton.backends.nvidia as nvidia_backend
+
+    bundled = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "ptxas")
+    found = bundled if os.path.exists(bundled) else shutil.which("ptxas")
+    if found is None:
+        raise RuntimeError("no ptxas found (neither Triton's bundled one nor one on PATH)")
+    return found
+
+
+def _ptxas_report(ptx: str, gpu_name: str) -> tuple[int | None, int | None]:
+    """(registers, spill store + load bytes) of the PTX's kernel, from ptxas -v."""
+    ptxas = _find_ptxas()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
+    return (int(regs.group(1)) if regs else None, sum(int(s) for s in spills) if spills else None)
+
+
+def triton_variants(cc: int):
+    """(name, jit function, signature, constexprs, options) of every Triton decode variant worth building."""
+    import triton.language as tl
+
+    from mla_backend_plugin.kernels.triton_decode import kernel as k
+    from mla_backend_plugin.kernels.triton_decode.config import config_for
+    from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
+
+    kv_dtypes = [("bf16", "*bf16")] + ([("fp8", "*fp8e4nv")] if cc >= 89 else [])
+    for num_heads, q_len in ((128, 2), (16, 1)):
+        cfg = config_for(num_heads)
+        for kv_name, kv_ptr in kv_dtypes:
+            for splits in (1, 8):
+                constexprs = dict(NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=64, BLOCK_M=cfg.block_m,
+                                  BLOCK_N=cfg.block_n, NUM_SPLITS=splits, MIN_CHUNK=128, Q_SCALE_IS_PTR=False,
+                                  KV_SCALE_IS_PTR=kv_name == "fp8", D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM,
+                                  COMPUTE_DTYPE=tl.bfloat16)
+                pointers = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr=kv_ptr, block_table_ptr="*i32",
+                                seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32",
+                                part_lse_ptr="*fp32", q_scale_ptr="*fp32", kv_scale_ptr="*fp32",
+                                q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
+                yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
+                       k._mla_decode_split_kernel, pointers, constexprs,
+                       dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    constexprs = dict(NUM_HEADS=128, Q_LEN=2, BLOCK_N=64, NUM_SPLITS=8, MIN_CHUNK=128, KV_SCALE_IS_PTR=True,
+                      D_NOPE=KV_LORA_RANK, SPLITS_P2=8)
+    pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
+                    seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
+    yield "triton_combine h128 q2 splits=8", k._mla_decode_combine_kernel, pointers, constexprs, dict(num_warps=4)
+
+
+def compile_triton(arch: str) -> list[VariantResult]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cc, gpu_name = ARCHS[arch]
+    results = []
+    for name, fn, pointers, constexprs, options in triton_variants(cc):
+        t0 = time.time()
+        signature = {arg: pointers.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", cc, 32), options=options)
+            regs, spills = _ptxas_report(compiled.asm["ptx"], gpu_name)
+            results.append(VariantResult(name, True, regs, compiled.metadata.shared, spills, time.time() - t0))
+        except Exception as e:  # noqa: BLE001 - a failing variant is reported, and fails the command
+            results.append(VariantResult(name, False, seconds=time.time() - t0, error=str(e).splitlines()[-1]))
+    return results
+
+
+# kernel family -> (archs it is built for, builder)
+FAMILIES = {
+    "triton": (tuple(ARCHS), compile_triton),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="target architecture")
+    parser.add_argument("--kernels", default="all", help="comma-separated kernel families, or all "
+                        f"(families: {', '.join(FAMILIES)})")
+    args = parser.parse_args(argv)
+    families = list(FAMILIES) if args.kernels == "all" else args.kernels.split(",")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"--kernels: unknown {unknown}; allowed: {', '.join(FAMILIES)} or all")
+    failed = 0
+    print(f"{'variant':48s} {'arch':8s} {'regs':>5s} {'smem':>8s} {'spills':>7s} {'s':>6s}")
+    for family in families:
+        archs, build = FAMILIES[family]
+        if args.arch not in archs:
+            print(f"{family}: not built for {args.arch} (built for {', '.join(archs)})")
+            continue
+        for r in build(args.arch):
+            if r.ok:
+                print(f"{r.name:48s} {args.arch:8s} {r.registers or '?':>5} {r.shared_bytes:>8d} "
+                      f"{r.spill_bytes if r.spill_bytes is not None else '?':>7} {r.seconds:6.1f}")
+            else:
+                failed += 1
+                print(f"{r.name:48s} {args.arch:8s} FAILED: {r.error}")
+    print(f"{'FAILED' if failed else 'OK'}: {failed} variant(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Triton split-KV MLA decode with a combine step: the fallback on every SM80+ GPU.
+
+Design (one CTA = one request x BLOCK_M query rows x one KV split):
+* q_len and heads are folded into the M dimension (row r of a request is token r // H, head r % H), so one
+  pass over a KV tile serves every head and every speculative token of the request;
+* the KV cache is gathered page by page through the block table; fp8 entries are widened to the q dtype
+  (exact for e4m3) and the per-tensor scales are folded into the softmax scale and the final output;
+* the split count is fixed per batch size on the host (graph-safe) and trimmed per request on the device;
+* with one split the kernel writes the final output and LSE itself, with more a combine kernel merges the
+  fp32 partials from the workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for
+from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
+
+# fp8 operands are widened to the 16-bit dtype of the other operand before tl.dot (exact for e4m3).
+_COMPUTE_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Device half of split planning, shared by the split and the combine kernel so they agree."""
+    n = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_CHUNK), 1), NUM_SPLITS)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N), 1) * BLOCK_N
+    # Rounding the chunk up to BLOCK_N can leave the last splits empty: count only non-empty ones.
+    n = tl.maximum(tl.minimum(n, tl.cdiv(seq_len, chunk)), 1)
+    return n, chunk
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    stride_kv_blk, stride_kv_tok, stride_bt,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    m_blk = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    if split >= n_splits:
+        return  # the combine kernel reads only this request's first n_splits partials
+
+    compute_dtype: tl.constexpr = COMPUTE_DTYPE
+    q_scale = 1.0
+    if Q_SCALE_IS_PTR:
+        q_scale = tl.load(q_scale_ptr).to(tl.float32)
+    else:
+        q_scale = q_scale_val
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+    qk_scale = sm_scale * q_scale * kv_scale * 1.4426950408889634  # log2 domain
+
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Q_LEN * NUM_HEADS
+    t = rows // NUM_HEADS
+    h = rows % NUM_HEADS
+    tok = b * Q_LEN + t
+    # causal inside the q block: row t sees seq_len - Q_LEN + t + 1 keys
+    row_kv_len = tl.where(row_ok, seq_len - Q_LEN + 1 + t, 0)
+
+    offs_dn = tl.arange(0, D_NOPE)
+    offs_dp = tl.arange(0, D_PE)
+    q_nope = tl.load(q_nope_ptr + tok[:, None] * stride_qn_t + h[:, None] * stride_qn_h + offs_dn[None, :],
+                     mask=row_ok[:, None], other=0.0).to(compute_dtype)
+    q_pe = tl.load(q_pe_ptr + tok[:, None] * stride_qp_t + h[:, None] * stride_qp_h + offs_dp[None, :],
+                   mask=row_ok[:, None], other=0.0).to(compute_dtype)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_NOPE], dtype=tl.float32)
+
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_row = kv_ptr + page * stride_kv_blk + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        k_nope = tl.load(kv_row[:, None] + offs_dn[None, :], mask=n_ok[:, None], other=0.0).to(compute_dtype)
+        k_pe = tl.load(kv_row[:, None] + D_NOPE + offs_dp[None, :], mask=n_ok[:, None], other=0.0).to(compute_dtype)
+
+        s = tl.dot(q_nope, tl.trans(k_nope))
+        s = tl.dot(q_pe, tl.trans(k_pe), s)
+        s = s * qk_scale
+        visible = offs_n[None, :] < row_kv_len[:, None]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at 0
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(compute_dtype), k_nope, acc)  # V is the latent part of the same cache entry
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)
+    lse2 = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+    if NUM_SPLITS == 1:
+        o = acc * (inv_l * kv_scale)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_dn[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        o = acc * inv_l[:, None]
+        part = ((b * (Q_LEN * NUM_HEADS) + rows) * NUM_SPLITS + split).to(tl.int64)
+        tl.store(part_o_ptr + part[:, None] * D_NOPE + offs_dn[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse2, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, kv_scale_ptr, kv_scale_val,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+
+    base = (b * (Q_LEN * NUM_HEADS) + row) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < n_splits
+    lse_s = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=0)
+    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.where(s_ok, tl.exp2(lse_s - lse_use), 0.0)
+    w_sum = tl.sum(w, axis=0)
+    offs_d = tl.arange(0, D_NOPE)
+    acc = tl.zeros([D_NOPE], dtype=tl.float32)
+    for s in range(0, n_splits):
+        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)
+        acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d)
+    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
+    t = row // NUM_HEADS
+    h = row % NUM_HEADS
+    tok = b * Q_LEN + t
+    tl.store(out_ptr + tok * stride_o_t + h * stride_o_h + offs_d, (acc * inv).to(out_ptr.dtype.element_ty))
+    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+
+
+def _scale_args(scale):
+    """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0, True
+    return None, 1.0 if scale is None else float(scale), False
+
+
+def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
+    """Run the Triton decode on validated ``DecodeArgs`` (see ops/api.py), writing args.out and args.lse.
+
+    ``config`` overrides the tile configuration (benchmarks/tune_triton.py); the workspace must have been
+    planned for the same ``block_m`` (``MLAWorkspace(..., rows_per_cta=config.block_m)``).
+    """
+    cfg = config or config_for(args.num_heads)
+    batch, q_len, num_heads = args.batch, args.q_len, args.num_heads
+    plan = workspace.plan(batch, q_len)
+    assert plan.rows_per_cta == cfg.block_m, "workspace planned for another tile shape"
+    rows = q_len * num_heads
+    m_blocks = triton.cdiv(rows, cfg.block_m)
+    q_scale_ptr, q_scale_val, q_is_ptr = _scale_args(args.q_scale)
+    kv_scale_ptr, kv_scale_val, kv_is_ptr = _scale_args(args.kv_scale)
+    # Triton needs a real pointer even for a branch it compiles out: any fp32 buffer will do.
+    dummy = workspace.partial_lse
+    q_scale_ptr = dummy if q_scale_ptr is None else q_scale_ptr
+    kv_scale_ptr = dummy if kv_scale_ptr is None else kv_scale_ptr
+    out, lse, kv = args.out, args.lse, args.kv_cache
+    _mla_decode_split_kernel[(batch, m_blocks, plan.num_splits)](
+        args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
+        out, lse, workspace.partial_out, workspace.partial_lse,
+        q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale,
+        args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
+        kv.stride(0), kv.stride(1), args.block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=kv.shape[1],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk,
+        Q_SCALE_IS_PTR=q_is_ptr, KV_SCALE_IS_PTR=kv_is_ptr,
+        D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=_COMPUTE_DTYPE[args.compute_dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if plan.num_splits > 1:
+        _mla_decode_combine_kernel[(batch, rows)](
+            out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            NUM_HEADS=num_heads, Q_LEN=q_len, BLOCK_N=cfg.block_n,
+            NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
+            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits),
+            num_warps=4,
+        )
+

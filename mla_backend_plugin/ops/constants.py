@@ -1,0 +1,25 @@
+"""Shapes and dtypes of DeepSeek-style MLA decode that every kernel of this package shares."""
+
+import torch
+
+KV_LORA_RANK = 512  # latent (compressed KV) width: the "nope" part of q/k and the whole of v
+QK_ROPE_HEAD_DIM = 64  # decoupled rotary part of q/k
+QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576: one KV-cache entry per token
+V_HEAD_DIM = KV_LORA_RANK  # 512
+
+# Heads per tensor-parallel rank for DeepSeek-V2/V3/R1 (128 heads at TP1, 16 at TP8).
+SUPPORTED_NUM_HEADS = (16, 32, 64, 128)
+# Query tokens per request in one decode step: 1 plus up to 3 speculative (MTP) tokens.
+SUPPORTED_Q_LENS = (1, 2, 3, 4)
+MAX_Q_LEN = max(SUPPORTED_Q_LENS)
+# KV-cache page sizes (tokens per block) that vLLM may hand us.
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+
+Q_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPE = torch.float8_e4m3fn
+KV_CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)

@@ -1,0 +1,108 @@
+"""The one place that maps a GPU architecture to the decode kernels that may run on it.
+
+``KERNELS`` lists every kernel this package has; ``AUTO_ORDER`` says, per compute-capability major
+version, which kernels ``kernel="auto"`` tries, best first. A kernel is picked only when it supports
+the GPU and the call's shapes and dtypes; otherwise the next one is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    description: str
+    # returns None when the kernel can run this call on this device, else the reason it cannot
+    unsupported_reason: Callable[["DecodeArgs", tuple[int, int] | None], str | None]  # noqa: F821
+    launch: Callable[["DecodeArgs", object], None]  # noqa: F821
+    needs_workspace: bool
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _triton_unsupported(args, cc) -> str | None:
+    if cc is None:
+        return "needs a CUDA device"
+    if cc < (8, 0):
+        return f"needs compute capability >= 8.0, device has {cc[0]}.{cc[1]}"
+    if FP8_DTYPE in (args.kv_dtype, args.q_dtype) and cc < (8, 9):
+        return f"fp8 needs compute capability >= 8.9, device has {cc[0]}.{cc[1]}"
+    return None
+
+
+def _triton_launch(args, workspace) -> None:
+    from mla_backend_plugin.kernels.triton_decode.kernel import launch
+
+    launch(args, workspace)
+
+
+def _reference_launch(args, workspace) -> None:
+    from mla_backend_plugin.kernels.reference import mla_decode_reference
+
+    out, lse = mla_decode_reference(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens,
+                                    args.q_len, args.softmax_scale, args.q_scale, args.kv_scale)
+    args.out.copy_(out)
+    args.lse.copy_(lse)
+
+
+KERNELS: dict[str, KernelSpec] = {
+    spec.name: spec
+    for spec in (
+        KernelSpec("triton", "Triton split-KV decode + combine (any SM80+ GPU)",
+                   _triton_unsupported, _triton_launch, needs_workspace=True),
+        KernelSpec("reference", "float32 torch reference (slow, host loop, not CUDA-graph safe)",
+                   lambda args, cc: None, _reference_launch, needs_workspace=False),
+    )
+}
+
+# kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
+# SM120/121). The reference is never chosen automatically.
+AUTO_ORDER: dict[int, tuple[str, ...]] = {
+    8: ("triton",),
+    9: ("triton",),
+    10: ("triton",),
+    12: ("triton",),
+}
+
+
+def available_kernels() -> tuple[str, ...]:
+    return tuple(KERNELS)
+
+
+def select_kernel(args, name: str = "auto") -> KernelSpec:
+    cc = device_capability(args.q_nope.device)
+    if name != "auto":
+        spec = KERNELS.get(name)
+        if spec is None:
+            raise ValueError(f"mla_decode: kernel: unknown kernel {name!r}; allowed: 'auto', "
+                             + ", ".join(repr(k) for k in KERNELS))
+        reason = spec.unsupported_reason(args, cc)
+        if reason is not None:
+            raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
+        return spec
+    if cc is None:
+        raise ValueError(f"mla_decode: q: kernels need a CUDA device, got {args.q_nope.device} "
+                         "(kernel='reference' runs anywhere)")
+    order = AUTO_ORDER.get(cc[0])
+    if order is None:
+        raise ValueError(f"mla_decode: device: compute capability {cc[0]}.{cc[1]} has no decode kernel; "
+                         f"supported majors: {sorted(AUTO_ORDER)}")
+    reasons = []
+    for kname in order:
+        spec = KERNELS[kname]
+        reason = spec.unsupported_reason(args, cc)
+        if reason is None:
+            return spec
+        reasons.append(f"{kname}: {reason}")
+    raise ValueError("mla_decode: no kernel supports this call: " + "; ".join(reasons))

@@ -1,0 +1,399 @@
+"""GPU tests: the Triton decode kernel against the float32 torch reference (``pytest -m gpu tests/``).
+
+Every call writes into NaN-poisoned ``out``/``lse`` so an element the kernel forgets to write fails, and the
+inputs come from ``make_decode_inputs`` (permuted pages, garbage block-table padding, poisoned unused KV
+slots, q_pe as a strided view). The axes (batch, KV length, q_len, heads, block size, dtypes, scale forms)
+are covered by several small grids instead of their full product, to keep the file to a few minutes:
+
+* ``test_batch_seq_grid``: every (batch, seq_len) pair, bf16, q_len 1, 128 heads, block 64;
+* ``test_qlen_heads_dtype_block``: every (q_len, heads, KV dtype, block size) at batch 3, ~300 tokens, with
+  the fp8 cases cycling through the q forms and scale forms (float / tensor, (1, 1) and (2, 3));
+* ``test_long_seq_spec_decode``: 4K and 33K tokens with q_len > 1 and other head counts at small batch;
+* ``test_fp8_scales`` / ``test_fp16``: every scale form and dtype combination at one shape;
+* padded requests, block size 128, q forms, kernel="auto", workspaces and a CUDA-graph replay test.
+
+The total KV per case is bounded (``MAX_TOTAL_TOKENS``): at large batch x long length only some requests are
+long. Triton compiles one kernel per (heads, q_len, block size, split count, dtypes, scale form); most of
+the runtime is those compiles.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from mla_backend_plugin.kernels.reference import mla_decode_reference
+from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, select_kernel
+from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
+from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_testutils import assert_close_decode, draw_seq_lens, make_decode_inputs
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+KERNEL = "triton"
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, FP8_DTYPE
+MAX_TOTAL_TOKENS = 1_300_000  # KV tokens per case (about 1.5 GB in bf16)
+
+BATCHES = (1, 3, 32, 129)
+SEQ_LENS = (1, 17, 1000, 4096, 33000)
+Q_LENS = (1, 2, 4)
+HEADS = (16, 128)
+BLOCK_SIZES = (16, 32, 64)
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_env(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV_VAR, raising=False)
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def _sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _describe(inp) -> str:
+    lens = inp.seq_lens_list
+    return (f"B={inp.batch} q_len={inp.q_len} H={inp.num_heads} bs={inp.kv_cache.shape[1]} "
+            f"kv={inp.kv_cache.dtype} q={'pair' if isinstance(inp.q, tuple) else inp.q.dtype} "
+            f"q_scale={inp.q_scale} kv_scale={inp.kv_scale} seq_lens[min={min(lens)}, max={max(lens)}, "
+            f"first={lens[:6]}]")
+
+
+def _check(inp, *, scales_as_tensor=False, kernel=None, workspace=None, msg=""):
+    """Run mla_decode into NaN-poisoned outputs and compare with the reference."""
+    out, lse = inp.poisoned_outputs()
+    r_out, r_lse = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                              kernel=kernel or KERNEL, workspace=workspace, **inp.scale_kwargs(scales_as_tensor))
+    assert r_out is out and r_lse is lse
+    _sync()
+    ref_out, ref_lse = inp.reference()
+    assert_close_decode(out, lse, ref_out, ref_lse, inp.kv_cache.dtype, msg=f"{msg} {_describe(inp)}".strip())
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every (batch, seq_len) pair
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq", SEQ_LENS, ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}")
+def test_batch_seq_grid(batch, seq):
+    bs = 64
+    lens = draw_seq_lens(batch, seq, block_size=bs, seed=_seed(batch, seq), max_total_tokens=MAX_TOTAL_TOKENS)
+    inp = make_decode_inputs(batch, lens, 1, 128, bs, BF16, "pair", DEVICE, _seed("grid", batch, seq))
+    _check(inp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every (q_len, heads, KV dtype, block size) at a small batch
+# ---------------------------------------------------------------------------------------------------------
+
+# (q form, q_scale, kv_scale, scales as tensors) for the fp8-cache cases, cycled over the grid below
+_FP8_VARIANTS = (
+    ("pair", None, 1.0, False),
+    ("pair", None, 3.0, True),
+    ("fp8", 2.0, 3.0, False),
+    ("fp8", 2.0, 3.0, True),
+    ("fp8", 1.0, 1.0, False),
+    ("cat", None, 3.0, False),
+)
+
+
+def _combo_params():
+    params = []
+    for iq, q_len in enumerate(Q_LENS):
+        for ih, heads in enumerate(HEADS):
+            for ib, bs in enumerate(BLOCK_SIZES):
+                for kv in ("bf16", "fp8"):
+                    if kv == "fp8":
+                        q_form, q_scale, kv_scale, as_tensor = _FP8_VARIANTS[(3 * iq + ib + 2 * ih) % 6]
+                        tag = f"fp8-{q_form}-s{q_scale or 1:g}x{kv_scale:g}-{'tensor' if as_tensor else 'float'}"
+                    else:
+                        q_form = "pair" if (iq + ib) % 2 == 0 else "cat"
+                        q_scale, kv_scale, as_tensor = None, None, False
+                        tag = f"bf16-{q_form}"
+                    params.append(pytest.param(q_len, heads, bs, kv, q_form, q_scale, kv_scale, as_tensor,
+                                               id=f"q{q_len}-h{heads}-bs{bs}-{tag}"))
+    return params
+
+
+@pytest.mark.parametrize("q_len,heads,bs,kv,q_form,q_scale,kv_scale,as_tensor", _combo_params())
+def test_qlen_heads_dtype_block(q_len, heads, bs, kv, q_form, q_scale, kv_scale, as_tensor):
+    seed = _seed("combo", q_len, heads, bs, kv)
+    a, b = draw_seq_lens(2, 300, block_size=bs, seed=seed)
+    short = q_len - 1 if q_len > 1 else 1  # with q_len > 1 the first rows of this request see no key
+    lens = [a, short, b]
+    inp = make_decode_inputs(3, lens, q_len, heads, bs, FP8 if kv == "fp8" else BF16, q_form, DEVICE, seed,
+                             q_scale=q_scale, kv_scale=kv_scale)
+    _check(inp, scales_as_tensor=as_tensor)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# long sequences with speculative tokens and the other head counts, at small batch
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch,seq,q_len,heads,bs,kv_dtype,q_form,q_scale,kv_scale,as_tensor", [
+    pytest.param(1, 33000, 4, 128, 64, FP8, "pair", None, 3.0, True, id="B1-S33000-q4-h128-fp8kv"),
+    pytest.param(3, 33000, 4, 32, 64, FP8, "fp8", 2.0, 3.0, False, id="B3-S33000-q4-h32-fp8q"),
+    pytest.param(2, 33000, 1, 16, 16, BF16, "pair", None, None, False, id="B2-S33000-q1-h16-bs16"),
+    pytest.param(3, 4096, 2, 16, 16, BF16, "pair", None, None, False, id="B3-S4096-q2-h16"),
+    pytest.param(1, 4096, 3, 64, 32, BF16, "cat", None, None, False, id="B1-S4096-q3-h64"),
+    pytest.param(3, 1000, 4, 128, 32, BF16, "pair", None, None, False, id="B3-S1000-q4-h128"),
+])
+def test_long_seq_spec_decode(batch, seq, q_len, heads, bs, kv_dtype, q_form, q_scale, kv_scale, as_tensor):
+    seed = _seed("long", batch, seq, q_len, heads)
+    lens = draw_seq_lens(batch, seq, block_size=bs, seed=seed, max_total_tokens=MAX_TOTAL_TOKENS)
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, kv_dtype, q_form, DEVICE, seed,
+                             q_scale=q_scale, kv_scale=kv_scale)
+    _check(inp, scales_as_tensor=as_tensor)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8 scales (Python floats and 1-element float32 device tensors) and fp16
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_form,kv_dtype,q_scale,kv_scale,as_tensor", [
+    pytest.param("pair", FP8, None, 1.0, False, id="kv8-1-float"),
+    pytest.param("pair", FP8, None, 3.0, False, id="kv8-3-float"),
+    pytest.param("pair", FP8, None, 3.0, True, id="kv8-3-tensor"),
+    pytest.param("fp8", FP8, 1.0, 1.0, False, id="q8kv8-1x1-float"),
+    pytest.param("fp8", FP8, 1.0, 1.0, True, id="q8kv8-1x1-tensor"),
+    pytest.param("fp8", FP8, 2.0, 3.0, False, id="q8kv8-2x3-float"),
+    pytest.param("fp8", FP8, 2.0, 3.0, True, id="q8kv8-2x3-tensor"),
+    pytest.param("fp8", FP8, 2.0, 3.0, (True, False), id="q8kv8-2x3-qtensor-kvfloat"),
+    pytest.param("fp8", BF16, 2.0, None, False, id="q8kv16-2-float"),
+    pytest.param("fp8", BF16, 2.0, None, True, id="q8kv16-2-tensor"),
+])
+def test_fp8_scales(q_form, kv_dtype, q_scale, kv_scale, as_tensor):
+    seed = _seed("scales", q_form, str(kv_dtype), q_scale, kv_scale)
+    lens = draw_seq_lens(3, 700, block_size=64, seed=seed)
+    inp = make_decode_inputs(3, lens, 2, 128, 64, kv_dtype, q_form, DEVICE, seed, q_scale=q_scale,
+                             kv_scale=kv_scale)
+    _check(inp, scales_as_tensor=as_tensor)
+
+
+@pytest.mark.parametrize("batch,seq,q_len,heads,bs,q_form,kv_dtype,q_scale,kv_scale,as_tensor", [
+    pytest.param(32, 1000, 1, 128, 16, "pair", FP16, None, None, False, id="fp16q-fp16kv-B32"),
+    pytest.param(1, 4096, 2, 128, 64, "cat", FP16, None, None, False, id="fp16q-cat-fp16kv-B1-S4096"),
+    pytest.param(3, 500, 4, 16, 32, "pair", FP8, None, 3.0, True, id="fp16q-fp8kv-tensor"),
+    pytest.param(3, 700, 2, 128, 64, "fp8", FP8, 2.0, 3.0, False, id="fp8q-fp8kv-fp16out"),
+    pytest.param(3, 700, 1, 128, 64, "fp8", FP16, 2.0, None, True, id="fp8q-fp16kv-fp16out"),
+])
+def test_fp16(batch, seq, q_len, heads, bs, q_form, kv_dtype, q_scale, kv_scale, as_tensor):
+    seed = _seed("fp16", batch, seq, q_len, heads, q_form, str(kv_dtype))
+    lens = draw_seq_lens(batch, seq, block_size=bs, seed=seed)
+    q_dtype = None if q_form == "fp8" else FP16
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, kv_dtype, q_form, DEVICE, seed, q_dtype=q_dtype,
+                             out_dtype=FP16, q_scale=q_scale, kv_scale=kv_scale)
+    assert inp.out_dtype == FP16
+    out, _ = _check(inp, scales_as_tensor=as_tensor)
+    assert out.dtype == FP16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padded requests, block size 128
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch,q_len,heads,bs", [
+    pytest.param(129, 1, 128, 64, id="B129-q1-nosplit"),
+    pytest.param(32, 1, 128, 64, id="B32-q1-split"),
+    pytest.param(3, 4, 16, 16, id="B3-q4-split"),
+])
+def test_padded_requests(batch, q_len, heads, bs):
+    """seq_len 0 (a CUDA-graph padding slot) and seq_len < q_len: rows without a key give out 0, lse -inf."""
+    seed = _seed("pad", batch, q_len)
+    lens = draw_seq_lens(batch, 300, block_size=bs, seed=seed)
+    for i in range(3, batch, 3):
+        lens[i] = 0
+    lens[-1] = 0
+    lens[1] = 1  # with q_len > 1: fewer keys than query tokens, the first rows see none
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, BF16, "pair", DEVICE, seed)
+    out, lse = _check(inp)
+    assert torch.isneginf(lse[(batch - 1) * q_len:]).all() and (out[(batch - 1) * q_len:] == 0).all()
+    # the whole batch padded
+    inp = make_decode_inputs(batch, [0] * batch, q_len, heads, bs, BF16, "pair", DEVICE, seed + 1)
+    out, lse = _check(inp)
+    assert torch.isneginf(lse).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("q_form,kv_dtype,q_len", [("pair", BF16, 1), ("fp8", FP8, 2)])
+def test_block_size_128(q_form, kv_dtype, q_len):
+    seed = _seed("bs128", q_form)
+    lens = draw_seq_lens(3, 1000, block_size=128, seed=seed)
+    inp = make_decode_inputs(3, lens, q_len, 128, 128, kv_dtype, q_form, DEVICE, seed,
+                             q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if kv_dtype == FP8 else None)
+    _check(inp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# q forms, output forms, cache forms
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_q_pair_16bit_and_fp8_cat():
+    """16-bit q as (q_nope, strided q_pe) and as one [T, H, 576] tensor; fp8 q as one tensor with
+    out_dtype=bf16 and a q_scale; a [num_blocks, block_size, 1, 576] cache and an ``out`` that is a view."""
+    batch, q_len, heads, bs = 3, 2, 128, 64
+    seed = _seed("forms")
+    lens = draw_seq_lens(batch, 700, block_size=bs, seed=seed)
+
+    pair = make_decode_inputs(batch, lens, q_len, heads, bs, BF16, "pair", DEVICE, seed)
+    q_nope, q_pe = pair.q
+    assert not q_pe.is_contiguous()
+    out_pair, lse_pair = _check(pair, msg="pair")
+    # the same values as one tensor, and as views into it
+    q_cat = torch.cat([q_nope, q_pe], dim=-1)
+    out_cat, lse_cat = mla_decode(q_cat, pair.kv_cache, pair.block_table, pair.seq_lens,
+                                  softmax_scale=pair.softmax_scale, kernel=KERNEL)
+    out_views, lse_views = mla_decode((q_cat[..., :KV_LORA_RANK], q_cat[..., KV_LORA_RANK:]), pair.kv_cache,
+                                      pair.block_table, pair.seq_lens, softmax_scale=pair.softmax_scale,
+                                      kernel=KERNEL)
+    _sync()
+    for o, l in ((out_cat, lse_cat), (out_views, lse_views)):
+        torch.testing.assert_close(o.float(), out_pair.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(l, lse_pair, rtol=0, atol=1e-3)
+
+    # fp8 q in the cat form: out_dtype given (no out), q_scale as a float and as a tensor
+    f8 = make_decode_inputs(batch, lens, q_len, heads, bs, BF16, "fp8", DEVICE, seed + 1, q_scale=2.0)
+    ref_out, ref_lse = f8.reference()
+    for q_scale in (2.0, torch.tensor([2.0], device=DEVICE)):
+        out, lse = mla_decode(f8.q, f8.kv_cache, f8.block_table, f8.seq_lens, softmax_scale=f8.softmax_scale,
+                              q_scale=q_scale, out_dtype=BF16, kernel=KERNEL)
+        _sync()
+        assert out.dtype == BF16 and lse.dtype == torch.float32
+        assert_close_decode(out, lse, ref_out, ref_lse, BF16, msg=f"fp8 q cat, q_scale={q_scale}")
+
+    # 4-D cache (one latent head) and an out/lse that are views into larger poisoned buffers
+    big_out = torch.full((batch * q_len, heads, 2 * KV_LORA_RANK), math.nan, dtype=BF16, device=DEVICE)
+    big_lse = torch.full((batch * q_len, heads + 8), math.nan, dtype=torch.float32, device=DEVICE)
+    out_v, lse_v = big_out[..., KV_LORA_RANK:], big_lse[:, 8:]
+    r_out, r_lse = mla_decode(pair.q, pair.kv_cache.unsqueeze(2), pair.block_table, pair.seq_lens,
+                              softmax_scale=pair.softmax_scale, out=out_v, lse=lse_v, kernel=KERNEL)
+    _sync()
+    assert r_out is out_v and r_lse is lse_v
+    assert torch.isnan(big_out[..., :KV_LORA_RANK].float()).all() and torch.isnan(big_lse[:, :8]).all(), \
+        "the kernel wrote outside the out/lse views"
+    ref_out, ref_lse = pair.reference()
+    assert_close_decode(out_v, lse_v, ref_out, ref_lse, BF16, msg="4-D cache, out/lse views")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernel selection and workspaces
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_auto_picks_triton():
+    cc = torch.cuda.get_device_capability()
+    seed = _seed("auto")
+    lens = draw_seq_lens(3, 1000, block_size=64, seed=seed)
+    inp = make_decode_inputs(3, lens, 1, 128, 64, BF16, "pair", DEVICE, seed)
+    args = prepare_args(*inp.call_args(), softmax_scale=inp.softmax_scale)
+    assert select_kernel(args, "auto").name == "triton", f"compute capability {cc}"
+    out_auto, lse_auto = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale)  # kernel="auto"
+    out_tri, lse_tri = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="triton")
+    _sync()
+    assert torch.equal(out_auto, out_tri) and torch.equal(lse_auto, lse_tri)
+    _check(inp, kernel="auto")
+    if cc >= (8, 9):
+        f8 = make_decode_inputs(3, lens, 1, 128, 64, FP8, "fp8", DEVICE, seed, q_scale=2.0, kv_scale=3.0)
+        args = prepare_args(*f8.call_args(), softmax_scale=f8.softmax_scale, out_dtype=BF16, q_scale=2.0,
+                            kv_scale=3.0)
+        assert select_kernel(args, "auto").name == "triton"
+
+
+def test_explicit_workspace():
+    seed = _seed("ws")
+    lens = draw_seq_lens(3, 1000, block_size=64, seed=seed)
+    inp = make_decode_inputs(3, lens, 1, 128, 64, BF16, "pair", DEVICE, seed)
+    out_default, lse_default = _check(inp)  # cached default workspace
+    ws = MLAWorkspace(DEVICE, max_batch=64, max_q_len=4, num_heads=128)
+    out_ws, lse_ws = _check(inp, workspace=ws)
+    assert torch.equal(out_ws, out_default) and torch.equal(lse_ws, lse_default)
+    small = MLAWorkspace(DEVICE, max_batch=2, max_q_len=1, num_heads=128)
+    with pytest.raises(ValueError, match=r"batch 3 exceeds the workspace's max_batch=2"):
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel=KERNEL, workspace=small)
+    other_heads = MLAWorkspace(DEVICE, max_batch=8, max_q_len=1, num_heads=16)
+    with pytest.raises(ValueError, match=r"workspace was made for num_heads=16, inputs have 128"):
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel=KERNEL, workspace=other_heads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA graphs: capture once, replay with new lengths, block tables, KV content and scales
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_cuda_graph_replay(kv_kind):
+    batch, q_len, heads, bs = 8, 2, 128, 64
+    width = 64  # block-table columns: at most width * bs = 4096 tokens per request
+    max_len = width * bs
+    num_blocks = batch * width + 37
+    kv_dtype = FP8 if kv_kind == "fp8" else BF16
+    fp8 = kv_dtype == FP8
+    ws = MLAWorkspace(DEVICE, max_batch=32, max_q_len=4, num_heads=heads)  # larger than this graph needs
+
+    def fresh(lens, seed, kv_scale):
+        return make_decode_inputs(batch, lens, q_len, heads, bs, kv_dtype, "pair", DEVICE, seed,
+                                  kv_scale=kv_scale if fp8 else None, num_blocks=num_blocks, max_blocks=width)
+
+    capture_lens = draw_seq_lens(batch, 500, block_size=bs, seed=_seed("graph", kv_kind))
+    static = fresh(capture_lens, _seed("graph-static", kv_kind), 3.0)
+    q_nope, q_pe = static.q
+    kv_cache, block_table, seq_lens = static.kv_cache, static.block_table, static.seq_lens
+    kv_scale = torch.tensor([3.0], dtype=torch.float32, device=DEVICE) if fp8 else None
+    out = torch.empty(batch * q_len, heads, KV_LORA_RANK, dtype=BF16, device=DEVICE)
+    lse = torch.empty(batch * q_len, heads, dtype=torch.float32, device=DEVICE)
+
+    def run():
+        mla_decode((q_nope, q_pe), kv_cache, block_table, seq_lens, softmax_scale=static.softmax_scale,
+                   kv_scale=kv_scale, out=out, lse=lse, workspace=ws, kernel=KERNEL)
+
+    # warm up (Triton compiles and caches its launchers) on a side stream, then capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+
+    rounds = [
+        ("new-content", capture_lens, 3.0),
+        ("much-longer", draw_seq_lens(batch, max_len - 300, block_size=bs, seed=2, max_len=max_len), 2.0),
+        ("much-shorter", [1, 0, q_len - 1, 2, 5, 17, 33, 64], 0.5),
+        ("mixed", [max_len, 1, 2000, 129, 0, 3000, 65, max_len - 1], 3.0),
+    ]
+    for i, (name, lens, scale) in enumerate(rounds):
+        assert max(lens) <= max_len
+        new = fresh(lens, _seed("graph-round", kv_kind, i), scale)
+        q_nope.copy_(new.q[0])
+        q_pe.copy_(new.q[1])
+        kv_cache.copy_(new.kv_cache)
+        block_table.copy_(new.block_table)
+        seq_lens.copy_(new.seq_lens)
+        if fp8:
+            kv_scale.fill_(scale)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, q_len,
+                                                static.softmax_scale, None, kv_scale)
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype,
+                            msg=f"graph replay round {name}: seq_lens={lens}, kv_scale={scale if fp8 else None}")
