@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
+from mla_backend_plugin.kernels.triton_decode.config import rows_per_cta_for
 from mla_backend_plugin.ops import (
     KERNELS,
     MLAWorkspace,
@@ -582,7 +583,7 @@ def test_plan_splits_basic():
 @pytest.mark.parametrize("q_len", SUPPORTED_Q_LENS)
 @pytest.mark.parametrize("max_splits", [1, 4, MAX_SPLITS, 64])
 def test_plan_splits_properties(heads, q_len, max_splits):
-    rows = 32 if heads >= 32 else 16
+    rows = rows_per_cta_for(heads)
     prev = None
     for batch in range(1, 600):
         plan = plan_splits(batch, q_len, heads, rows, NUM_SMS, max_splits=max_splits)
@@ -610,7 +611,7 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
     ws = MLAWorkspace(device="cpu", max_batch=max_batch, max_q_len=max_q_len, num_heads=heads, num_sms=NUM_SMS,
                       max_splits=max_splits)
     assert ws.device == torch.device("cpu") and ws.num_sms == NUM_SMS
-    assert ws.rows_per_cta == (32 if heads >= 32 else 16)
+    assert ws.rows_per_cta == rows_per_cta_for(heads)  # the Triton tile height the plan is made for
     assert ws.partial_out.dtype == torch.float32 and ws.partial_out.shape[1] == KV_LORA_RANK
     assert ws.partial_lse.dtype == torch.float32
     assert ws.partial_out.shape[0] == ws.partial_lse.shape[0]
@@ -634,7 +635,10 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
 
 def test_workspace_no_split_when_batch_fills_gpu():
     ws = MLAWorkspace(device="cpu", max_batch=256, max_q_len=4, num_heads=128, num_sms=NUM_SMS)
-    assert ws.plan(128, 1).num_splits == 1
+    ctas_per_request = -(-128 // ws.rows_per_cta)
+    fills = -(-TARGET_CTAS_PER_SM * NUM_SMS // ctas_per_request)  # smallest batch that fills the GPU
+    assert ws.plan(fills, 1).num_splits == 1
+    assert ws.plan(fills - 1, 1).num_splits == 2
     assert ws.plan(256, 1).num_splits == 1
     assert ws.plan(1, 1).num_splits == MAX_SPLITS
     # 128 heads x q_len 1 x 32 splits x 1 request would be 4096 rows; the worst case is larger
