@@ -16,6 +16,7 @@ import random
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
+from mla_backend_plugin.kernels.triton_decode.config import config_for
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, QK_HEAD_DIM, QK_ROPE_HEAD_DIM
 
 # DeepSeek-V2/V3: softmax scale 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(128 + 64).
@@ -27,7 +28,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 POISON_16BIT = 8192.0  # exact in bf16 and fp16
 POISON_FP8 = FP8_MAX
 
-TILE_N = 32  # KV tile of the Triton kernel; lengths that are not a multiple of it exercise the masked tail
+TILE_N = config_for(128).block_n  # KV tile of the Triton kernel: lengths not a multiple of it hit the masked tail
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:

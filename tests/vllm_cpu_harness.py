@@ -83,7 +83,6 @@ def scenario_entry_point() -> None:
     assert AttentionBackendEnum.CUSTOM.get_path() == OUR_CLASS
     assert list(AttentionBackendEnum.__members__).count("CUTE_MLA") == 1
     assert not torch.cuda.is_initialized(), "registration must not initialise CUDA"
-    assert "triton" not in sys.modules or True  # vLLM itself may import triton; ours must not need it
 
 
 def scenario_cli_routes() -> None:
@@ -176,6 +175,15 @@ def scenario_validation_reasons() -> None:
     for key, (value, expected) in cases.items():
         reasons = CuteMLABackend.validate_configuration(**{**base, key: value})
         assert any(expected in r for r in reasons), (key, reasons)
+    # A vLLM outside the supported range is refused with the range
+    from packaging.version import Version
+
+    import mla_backend_plugin.vllm.compat as compat
+
+    compat.VLLM_VERSION, real_version = Version("0.25.1"), compat.VLLM_VERSION
+    reasons = CuteMLABackend.validate_configuration(**base)
+    compat.VLLM_VERSION = real_version
+    assert any("vLLM 0.25.1 is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0" in r for r in reasons), reasons
     # The reason reaches the user through vLLM's selector
     install_fake_gpu(8, 0)
     try:

@@ -2,12 +2,15 @@
 
 ``KERNELS`` lists every kernel this package has; ``AUTO_ORDER`` says, per compute-capability major
 version, which kernels ``kernel="auto"`` tries, best first. A kernel is picked only when it supports
-the GPU and the call's shapes and dtypes; otherwise the next one is tried.
+the GPU and the call's shapes and dtypes; otherwise the next one is tried. On an architecture outside a
+kernel's ``verified_archs`` (where our GPU test suite has not run it), the kernel must first pass a
+self-check against the reference (ops/selfcheck.py); one that fails is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -23,6 +26,8 @@ class KernelSpec:
     unsupported_reason: Callable[["DecodeArgs", tuple[int, int] | None], str | None]  # noqa: F821
     launch: Callable[["DecodeArgs", object], None]  # noqa: F821
     needs_workspace: bool
+    # compute capabilities where the GPU test suite passed on real hardware; None = everywhere (reference)
+    verified_archs: frozenset[tuple[int, int]] | None = None
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -60,7 +65,8 @@ KERNELS: dict[str, KernelSpec] = {
     spec.name: spec
     for spec in (
         KernelSpec("triton", "Triton split-KV decode + combine (any SM80+ GPU)",
-                   _triton_unsupported, _triton_launch, needs_workspace=True),
+                   _triton_unsupported, _triton_launch, needs_workspace=True,
+                   verified_archs=frozenset({(9, 0)})),  # H100 (tests/test_ops_gpu.py, docs/STATUS.md)
         KernelSpec("reference", "float32 torch reference (slow, host loop, not CUDA-graph safe)",
                    lambda args, cc: None, _reference_launch, needs_workspace=False),
     )
@@ -76,8 +82,22 @@ AUTO_ORDER: dict[int, tuple[str, ...]] = {
 }
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
 def available_kernels() -> tuple[str, ...]:
     return tuple(KERNELS)
+
+
+def self_check_failure(spec: KernelSpec, device: torch.device, cc: tuple[int, int] | None) -> str | None:
+    """None when ``spec`` may run on this device; else why its first-use self-check failed."""
+    from mla_backend_plugin.ops.selfcheck import self_check, self_check_mode
+
+    mode = self_check_mode()
+    verified = spec.verified_archs is None or (cc is not None and cc in spec.verified_archs)
+    if mode == "never" or (verified and mode != "always"):
+        return None
+    return self_check(spec, device)
 
 
 def select_kernel(args, name: str = "auto") -> KernelSpec:
@@ -90,6 +110,10 @@ def select_kernel(args, name: str = "auto") -> KernelSpec:
         reason = spec.unsupported_reason(args, cc)
         if reason is not None:
             raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
+        failure = self_check_failure(spec, args.q_nope.device, cc)
+        if failure is not None:
+            raise RuntimeError(f"mla_decode: kernel {name!r} failed its self-check on compute capability "
+                               f"{cc}: {failure}")
         return spec
     if cc is None:
         raise ValueError(f"mla_decode: q: kernels need a CUDA device, got {args.q_nope.device} "
@@ -103,6 +127,13 @@ def select_kernel(args, name: str = "auto") -> KernelSpec:
         spec = KERNELS[kname]
         reason = spec.unsupported_reason(args, cc)
         if reason is None:
-            return spec
+            failure = self_check_failure(spec, args.q_nope.device, cc)
+            if failure is None:
+                return spec
+            if (kname, str(args.q_nope.device)) not in _WARNED:  # once per kernel and device
+                _WARNED.add((kname, str(args.q_nope.device)))
+                warnings.warn(f"mla_decode: kernel {kname!r} failed its self-check on compute capability {cc} "
+                              f"and is skipped: {failure}", RuntimeWarning, stacklevel=3)
+            reason = f"failed its self-check: {failure}"
         reasons.append(f"{kname}: {reason}")
     raise ValueError("mla_decode: no kernel supports this call: " + "; ".join(reasons))

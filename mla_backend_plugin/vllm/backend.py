@@ -35,6 +35,7 @@ from mla_backend_plugin.vllm.compat import (
     MLACommonMetadata,
     MLACommonMetadataBuilder,
     QueryLenSupport,
+    check_vllm_version,
 )
 
 # The decode kernel the impl asks mla_decode for ("auto" = best verified kernel for the GPU).
@@ -211,4 +212,6 @@ class CuteMLABackend(MLACommonBackend):
     def validate_configuration(cls, **kwargs) -> list[str]:
         reasons = super().validate_configuration(**kwargs)
         details = _reason_details(kwargs)
-        return [details.get(r, r) for r in reasons]
+        reasons = [details.get(r, r) for r in reasons]
+        version_reason = check_vllm_version()
+        return reasons + [version_reason] if version_reason else reasons
