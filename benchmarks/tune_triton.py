@@ -19,7 +19,8 @@ import peers  # noqa: F401  (puts the repository root on sys.path)
 from bench_decode import calls_per_graph_for, capture_graph, kv_copies_for, time_graphs
 from peers import PEERS, Cell, check_against_reference, make_inputs, reference
 
-from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig
+from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for
+from mla_backend_plugin.ops import workspace as workspace_module
 from mla_backend_plugin.kernels.triton_decode.kernel import launch
 from mla_backend_plugin.ops.api import prepare_args
 from mla_backend_plugin.ops.workspace import MLAWorkspace
@@ -46,6 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--time-per-config", type=float, default=0.05)
+    parser.add_argument("--ctas-per-sm", default=None,
+                        help="comma-separated split-planner targets (TARGET_CTAS_PER_SM) to compare with the "
+                             "shipped tile config instead of sweeping tiles, e.g. 1,2,4")
     args = parser.parse_args()
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
@@ -56,7 +60,12 @@ def main() -> None:
         inputs = make_inputs(cell, device, copies)
         ref = reference(inputs, "bf16")
         graphs, keep, rows = {}, {}, []
-        for cfg in configs(args.quick):
+        if args.ctas_per_sm:
+            variants = [(config_for(cell.num_heads), int(t)) for t in args.ctas_per_sm.split(",")]
+        else:
+            variants = [(cfg, workspace_module.TARGET_CTAS_PER_SM) for cfg in configs(args.quick)]
+        for cfg, target in variants:
+            workspace_module.TARGET_CTAS_PER_SM = target  # read by plan_splits when the workspace plans
             ws = MLAWorkspace(device, max_batch=cell.batch, max_q_len=cell.q_len, num_heads=cell.num_heads,
                               rows_per_cta=cfg.block_m)
             out = torch.empty(cell.tokens, cell.num_heads, 512, dtype=torch.bfloat16, device=device)
@@ -68,6 +77,8 @@ def main() -> None:
                                  softmax_scale=inputs.softmax_scale, kv_scale=inputs.kv_scale, out=out, lse=lse)
                 launch(a, ws, cfg)
             name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+            if args.ctas_per_sm:
+                name += f" target{target} splits{ws.plan(cell.batch, cell.q_len).num_splits}"
             try:
                 run(0)
                 torch.cuda.synchronize()

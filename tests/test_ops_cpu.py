@@ -567,14 +567,17 @@ NUM_SMS = 132  # H100 SXM
 
 def test_plan_splits_basic():
     # 128 heads, 32 rows per CTA: 4 CTAs per request and q token
-    assert plan_splits(128, 1, 128, 32, NUM_SMS).num_splits == 1  # 512 CTAs fill 132 SMs twice over
-    assert plan_splits(66, 1, 128, 32, NUM_SMS).num_splits == 1  # exactly TARGET_CTAS_PER_SM * SMs
-    assert plan_splits(65, 1, 128, 32, NUM_SMS).num_splits == 2
+    target = TARGET_CTAS_PER_SM * NUM_SMS
+    fills = -(-target // 4)  # smallest batch whose 4 CTAs per request reach the target
+    assert plan_splits(128, 1, 128, 32, NUM_SMS).num_splits == 1  # 512 CTAs fill 132 SMs
+    assert plan_splits(fills, 1, 128, 32, NUM_SMS).num_splits == 1
+    assert plan_splits(fills - 1, 1, 128, 32, NUM_SMS).num_splits == 2
     assert plan_splits(1, 1, 128, 32, NUM_SMS).num_splits == MAX_SPLITS
     assert plan_splits(1, 1, 128, 32, NUM_SMS, max_splits=8).num_splits == 8
     assert plan_splits(32, 4, 128, 32, NUM_SMS).num_splits == 1
     p = plan_splits(3, 2, 16, 16, NUM_SMS, min_chunk=256)
-    assert p.rows_per_cta == 16 and p.min_chunk == 256 and p.num_splits == 32
+    assert p.rows_per_cta == 16 and p.min_chunk == 256
+    assert p.num_splits == min(MAX_SPLITS, -(-TARGET_CTAS_PER_SM * NUM_SMS // 6))  # 3 requests x 2 CTAs
     # the planner only looks at shapes: same answer every time
     assert plan_splits(7, 3, 64, 32, NUM_SMS) == plan_splits(7, 3, 64, 32, NUM_SMS)
 

@@ -6,11 +6,13 @@ vllm_gpu_check.py). The CUDA-graph run must generate what the eager run generate
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -21,7 +23,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 def run_check(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=900)
+    # One engine at a time, also under pytest-xdist: concurrent engines each size their KV cache from the
+    # free memory they see and can starve each other ("No available memory for the cache blocks").
+    with open(os.path.join(tempfile.gettempdir(), "cute_mla_vllm_gpu_test.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])

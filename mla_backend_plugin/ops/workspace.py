@@ -24,9 +24,10 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_Q_LENS,
 )
 
-# Hopper/Blackwell need several resident CTAs per SM to keep enough loads in flight for a memory-bound
-# kernel; below this many CTAs per SM we split the KV sequence.
-TARGET_CTAS_PER_SM = 2
+# Split the KV sequence until the grid has this many CTAs per SM. The Triton tile (64 rows, 147 KB of shared
+# memory) leaves room for one resident CTA per SM on Hopper, and 1 measured best: 12-18% faster than 2 at
+# B=8..64 on an H100, 3% slower only at B=64 q_len 2 (benchmarks/NOTES.md).
+TARGET_CTAS_PER_SM = 1
 MAX_SPLITS = 32
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
 # than the parallelism gains.
