@@ -26,17 +26,7 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_NUM_HEADS,
     dtype_names,
 )
-from mla_backend_plugin.vllm.compat import (
-    AttentionCGSupport,
-    AttentionType,
-    MLACommonBackend,
-    MLACommonDecodeMetadata,
-    MLACommonImpl,
-    MLACommonMetadata,
-    MLACommonMetadataBuilder,
-    QueryLenSupport,
-    check_vllm_version,
-)
+from mla_backend_plugin.vllm import compat  # every vLLM class this module builds on, version-resolved
 
 # The decode kernel the impl asks mla_decode for ("auto" = best verified kernel for the GPU).
 KERNEL_ENV_VAR = "CUTE_MLA_KERNEL"
@@ -48,12 +38,12 @@ MIN_COMPUTE_CAPABILITY = (9, 0)
 
 
 @dataclasses.dataclass
-class CuteMLADecodeMetadata(MLACommonDecodeMetadata):
+class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     workspace: MLAWorkspace | None = None
 
 
 @dataclasses.dataclass
-class CuteMLAMetadata(MLACommonMetadata[CuteMLADecodeMetadata]):
+class CuteMLAMetadata(compat.MLACommonMetadata[CuteMLADecodeMetadata]):
     pass
 
 
@@ -68,11 +58,11 @@ def _max_decode_q_len(vllm_config: VllmConfig) -> int:
     return q_len
 
 
-class CuteMLAMetadataBuilder(MLACommonMetadataBuilder[CuteMLAMetadata]):
+class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
     # Every request of a decode batch has the same q_len (1 + speculative tokens), so one graph per batch
     # size serves all replays: the kernels read seq_lens and block tables on the device.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    _cudagraph_support: ClassVar[compat.AttentionCGSupport] = compat.AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[compat.QueryLenSupport] = compat.QueryLenSupport.UNIFORM
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, CuteMLAMetadata)
@@ -105,7 +95,7 @@ class CuteMLAMetadataBuilder(MLACommonMetadataBuilder[CuteMLAMetadata]):
         )
 
 
-class CuteMLAImpl(MLACommonImpl[CuteMLAMetadata]):
+class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
     can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = True  # mla_decode returns natural-log LSE
 
@@ -118,7 +108,7 @@ class CuteMLAImpl(MLACommonImpl[CuteMLAMetadata]):
         if any([alibi_slopes, sliding_window, logits_soft_cap]):
             raise NotImplementedError(f"{BACKEND_NAME} does not support alibi_slopes, sliding_window or "
                                       "logits_soft_cap")
-        if attn_type != AttentionType.DECODER:
+        if attn_type != compat.AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got {attn_type}")
         if num_heads not in SUPPORTED_NUM_HEADS:
             raise ValueError(f"{BACKEND_NAME}: {num_heads} attention heads per rank is not supported; "
@@ -172,7 +162,7 @@ def _reason_details(kw: dict) -> dict[str, str]:
     }
 
 
-class CuteMLABackend(MLACommonBackend):
+class CuteMLABackend(compat.MLACommonBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
@@ -213,5 +203,5 @@ class CuteMLABackend(MLACommonBackend):
         reasons = super().validate_configuration(**kwargs)
         details = _reason_details(kwargs)
         reasons = [details.get(r, r) for r in reasons]
-        version_reason = check_vllm_version()
+        version_reason = compat.check_vllm_version()
         return reasons + [version_reason] if version_reason else reasons
