@@ -27,6 +27,7 @@ ARCHS = {
     "sm_90a": (90, "sm_90a"),
     "sm_100a": (100, "sm_100a"),
     "sm_120a": (120, "sm_120a"),
+    "sm_121a": (121, "sm_121a"),
 }
 
 
@@ -118,9 +119,20 @@ def compile_triton(arch: str) -> list[VariantResult]:
     return results
 
 
+def _family_builder(module: str):
+    """A kernel family's ``compile_variants(arch) -> list[VariantResult]``, imported only when that family is built."""
+    def build(arch: str) -> list[VariantResult]:
+        import importlib
+
+        return importlib.import_module(f"mla_backend_plugin.kernels.{module}").compile_variants(arch)
+    return build
+
+
 # kernel family -> (archs it is built for, builder)
 FAMILIES = {
-    "triton": (tuple(ARCHS), compile_triton),
+    "triton": (("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a"), compile_triton),
+    "cute_sm90": (("sm_90a",), _family_builder("cute_sm90.build")),
+    "xqa_sm120": (("sm_90a", "sm_120a", "sm_121a"), _family_builder("xqa_sm120.build")),
 }
 
 

@@ -1,4 +1,7 @@
-"""GPU tests: the Triton decode kernel against the float32 torch reference (``pytest -m gpu tests/``).
+"""GPU tests: every decode kernel against the float32 torch reference (``pytest -m gpu tests/``).
+
+Each test runs once per kernel of ``registry.KERNELS`` (the reference excepted) and skips for a kernel that
+cannot run on this GPU (``unsupported_reason``); ``MLA_TEST_KERNELS=cute_sm90,triton`` narrows the list.
 
 Every call writes into NaN-poisoned ``out``/``lse`` so an element the kernel forgets to write fails, and the
 inputs come from ``make_decode_inputs`` (permuted pages, garbage block-table padding, poisoned unused KV
@@ -26,7 +29,9 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, select_kernel
+import os
+
+from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_testutils import assert_close_decode, draw_seq_lens, make_decode_inputs
@@ -34,7 +39,8 @@ from mla_testutils import assert_close_decode, draw_seq_lens, make_decode_inputs
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
-KERNEL = "triton"
+KERNEL = "triton"  # set per test by the kernel_under_test fixture
+GPU_KERNELS = tuple(k for k in registry.KERNELS if k != "reference")
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, FP8_DTYPE
 MAX_TOTAL_TOKENS = 1_300_000  # KV tokens per case (about 1.5 GB in bf16)
 
@@ -48,6 +54,29 @@ BLOCK_SIZES = (16, 32, 64)
 @pytest.fixture(autouse=True)
 def _no_kernel_env(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV_VAR, raising=False)
+
+
+def _kernel_cannot_run(name: str) -> str | None:
+    wanted = os.environ.get("MLA_TEST_KERNELS")
+    if wanted and name not in wanted.split(","):
+        return f"MLA_TEST_KERNELS={wanted}"
+    if not torch.cuda.is_available():
+        return "no GPU"
+    # a representative call: what the kernel says about this device (arch, toolchain)
+    q = torch.zeros(1, 128, 576, dtype=BF16, device=DEVICE)
+    kv = torch.zeros(1, 64, 576, dtype=BF16, device=DEVICE)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    args = prepare_args(q, kv, bt, torch.ones(1, dtype=torch.int32, device=DEVICE), softmax_scale=0.1)
+    return registry.KERNELS[name].unsupported_reason(args, registry.device_capability(q.device))
+
+
+@pytest.fixture(autouse=True, params=GPU_KERNELS)
+def kernel_under_test(request, monkeypatch):
+    reason = _kernel_cannot_run(request.param)
+    if reason is not None:
+        pytest.skip(f"{request.param}: {reason}")
+    monkeypatch.setitem(globals(), "KERNEL", request.param)
+    return request.param
 
 
 def _seed(*parts) -> int:
@@ -294,7 +323,9 @@ def test_q_pair_16bit_and_fp8_cat():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_auto_picks_triton():
+def test_auto_picks_triton(kernel_under_test):
+    if kernel_under_test != "triton":
+        pytest.skip("kernel selection is tested once")
     cc = torch.cuda.get_device_capability()
     seed = _seed("auto")
     lens = draw_seq_lens(3, 1000, block_size=64, seed=seed)

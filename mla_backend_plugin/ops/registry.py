@@ -10,6 +10,7 @@ self-check against the reference (ops/selfcheck.py); one that fails is skipped w
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import warnings
 from collections.abc import Callable
 
@@ -52,6 +53,14 @@ def _triton_launch(args, workspace) -> None:
     launch(args, workspace)
 
 
+def _family(module: str, attr: str):
+    """A kernel family's function, imported on first use so that the registry imports no kernel toolchain."""
+    def call(*a):
+        return getattr(importlib.import_module(f"mla_backend_plugin.kernels.{module}"), attr)(*a)
+    call.__name__ = f"{module}.{attr}"
+    return call
+
+
 def _reference_launch(args, workspace) -> None:
     from mla_backend_plugin.kernels.reference import mla_decode_reference
 
@@ -67,6 +76,14 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("triton", "Triton split-KV decode + combine (any SM80+ GPU)",
                    _triton_unsupported, _triton_launch, needs_workspace=True,
                    verified_archs=frozenset({(9, 0)})),  # H100 (tests/test_ops_gpu.py, docs/STATUS.md)
+        # CuTe-DSL wgmma + TMA kernel for Hopper (kernels/cute_sm90)
+        KernelSpec("cute_sm90", "CuTe-DSL SM90 decode: wgmma, TMA, warp-specialised (Hopper only)",
+                   _family("cute_sm90.launch", "unsupported_reason"), _family("cute_sm90.launch", "launch"),
+                   needs_workspace=True, verified_archs=frozenset()),
+        # CUDA C++ mma.sync kernel for SM120/121, also built for sm_90a (kernels/xqa_sm120, csrc/xqa_mla)
+        KernelSpec("xqa_sm120", "CUDA C++ XQA-style decode: mma.sync + TMA (SM120/121; sm_90a build for tests)",
+                   _family("xqa_sm120.launch", "unsupported_reason"), _family("xqa_sm120.launch", "launch"),
+                   needs_workspace=True, verified_archs=frozenset()),
         KernelSpec("reference", "float32 torch reference (slow, host loop, not CUDA-graph safe)",
                    lambda args, cc: None, _reference_launch, needs_workspace=False),
     )
