@@ -490,7 +490,11 @@ def test_prepare_args_accepts_and_normalises():
     assert isinstance(args.q_scale, float) and args.q_scale == 2.0 and args.kv_scale == 3.0
     t = torch.tensor([3.0])
     args = prepare_args(*f8.call_args(), softmax_scale=0.1, out=torch.empty(2, H, 512, dtype=BF16), kv_scale=t)
-    assert args.kv_scale is t and args.compute_dtype == BF16
+    assert args.kv_scale.data_ptr() == t.data_ptr() and args.compute_dtype == BF16
+    # a 0-d scale (what vLLM passes) becomes a shape-(1,) view of the same storage: one shape for every kernel
+    t0 = torch.tensor(3.0)
+    args = prepare_args(*f8.call_args(), softmax_scale=0.1, out=torch.empty(2, H, 512, dtype=BF16), kv_scale=t0)
+    assert args.kv_scale.shape == (1,) and args.kv_scale.data_ptr() == t0.data_ptr()
     # fp8 cache with a 16-bit q, scales omitted (= 1)
     p8 = _base("pair", kv_dtype=FP8)
     args = prepare_args(*p8.call_args(), softmax_scale=0.1)

@@ -212,6 +212,17 @@ def test_fp8_scales(q_form, kv_dtype, q_scale, kv_scale, as_tensor):
     _check(inp, scales_as_tensor=as_tensor)
 
 
+def test_zero_dim_scale_tensors():
+    """vLLM hands the fp8 scales over as 0-d tensors (layer._k_scale); they are read on the device."""
+    seed = _seed("scales-0d")
+    inp = make_decode_inputs(3, [300, 1, 700], 1, 128, 64, FP8, "fp8", DEVICE, seed, q_scale=2.0, kv_scale=3.0)
+    out, lse = inp.poisoned_outputs()
+    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel=KERNEL,
+               q_scale=torch.tensor(2.0, device=DEVICE), kv_scale=torch.tensor(3.0, device=DEVICE))
+    _sync()
+    assert_close_decode(out, lse, *inp.reference(), FP8, msg="0-d scales")
+
+
 @pytest.mark.parametrize("batch,seq,q_len,heads,bs,q_form,kv_dtype,q_scale,kv_scale,as_tensor", [
     pytest.param(32, 1000, 1, 128, 16, "pair", FP16, None, None, False, id="fp16q-fp16kv-B32"),
     pytest.param(1, 4096, 2, 128, 64, "cat", FP16, None, None, False, id="fp16q-cat-fp16kv-B1-S4096"),
@@ -323,25 +334,29 @@ def test_q_pair_16bit_and_fp8_cat():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_auto_picks_triton(kernel_under_test):
+def test_auto_picks_first_supported(kernel_under_test):
+    """kernel="auto" takes the first kernel of AUTO_ORDER that supports the call, and gives its exact result."""
     if kernel_under_test != "triton":
         pytest.skip("kernel selection is tested once")
     cc = torch.cuda.get_device_capability()
     seed = _seed("auto")
     lens = draw_seq_lens(3, 1000, block_size=64, seed=seed)
-    inp = make_decode_inputs(3, lens, 1, 128, 64, BF16, "pair", DEVICE, seed)
-    args = prepare_args(*inp.call_args(), softmax_scale=inp.softmax_scale)
-    assert select_kernel(args, "auto").name == "triton", f"compute capability {cc}"
-    out_auto, lse_auto = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale)  # kernel="auto"
-    out_tri, lse_tri = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="triton")
-    _sync()
-    assert torch.equal(out_auto, out_tri) and torch.equal(lse_auto, lse_tri)
-    _check(inp, kernel="auto")
+    cases = [make_decode_inputs(3, lens, 1, 128, 64, BF16, "pair", DEVICE, seed)]
     if cc >= (8, 9):
-        f8 = make_decode_inputs(3, lens, 1, 128, 64, FP8, "fp8", DEVICE, seed, q_scale=2.0, kv_scale=3.0)
-        args = prepare_args(*f8.call_args(), softmax_scale=f8.softmax_scale, out_dtype=BF16, q_scale=2.0,
-                            kv_scale=3.0)
-        assert select_kernel(args, "auto").name == "triton"
+        cases.append(make_decode_inputs(3, lens, 1, 128, 64, FP8, "fp8", DEVICE, seed, q_scale=2.0, kv_scale=3.0))
+    for inp in cases:
+        kw = inp.scale_kwargs(False)
+        args = prepare_args(*inp.call_args(), softmax_scale=inp.softmax_scale, out_dtype=BF16, **kw)
+        expected = next(k for k in registry.AUTO_ORDER[cc[0]]
+                        if registry.KERNELS[k].unsupported_reason(args, registry.device_capability(args.q_nope.device))
+                        is None)
+        assert select_kernel(args, "auto").name == expected, f"compute capability {cc}"
+        out_auto, lse_auto = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out_dtype=BF16, **kw)
+        out_exp, lse_exp = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out_dtype=BF16,
+                                      kernel=expected, **kw)
+        _sync()
+        assert torch.equal(out_auto, out_exp) and torch.equal(lse_auto, lse_exp)
+        _check(inp, kernel="auto")
 
 
 def test_explicit_workspace():

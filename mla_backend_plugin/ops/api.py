@@ -73,7 +73,7 @@ def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.dev
             _fail(name, f"must be a float or a 1-element float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
         if scale.device != device:
             _fail(name, f"must be on {device}, got {scale.device}")
-        return scale
+        return scale.reshape(1)  # one shape for every kernel (vLLM passes 0-d scales); a view, no copy
     return float(scale)
 
 

@@ -79,11 +79,14 @@ KERNELS: dict[str, KernelSpec] = {
         # CuTe-DSL wgmma + TMA kernel for Hopper (kernels/cute_sm90)
         KernelSpec("cute_sm90", "CuTe-DSL SM90 decode: wgmma, TMA, warp-specialised (Hopper only)",
                    _family("cute_sm90.launch", "unsupported_reason"), _family("cute_sm90.launch", "launch"),
-                   needs_workspace=True, verified_archs=frozenset()),
+                   needs_workspace=True,
+                   verified_archs=frozenset({(9, 0)})),  # H100: tests/test_ops_gpu.py + test_kernel_features_gpu.py
+
         # CUDA C++ mma.sync kernel for SM120/121, also built for sm_90a (kernels/xqa_sm120, csrc/xqa_mla)
         KernelSpec("xqa_sm120", "CUDA C++ XQA-style decode: mma.sync + TMA (SM120/121; sm_90a build for tests)",
                    _family("xqa_sm120.launch", "unsupported_reason"), _family("xqa_sm120.launch", "launch"),
-                   needs_workspace=True, verified_archs=frozenset()),
+                   # H100 through the sm_90a build; SM120/121 never run here, so the self-check guards them
+                   needs_workspace=True, verified_archs=frozenset({(9, 0)})),
         KernelSpec("reference", "float32 torch reference (slow, host loop, not CUDA-graph safe)",
                    lambda args, cc: None, _reference_launch, needs_workspace=False),
     )
@@ -91,9 +94,11 @@ KERNELS: dict[str, KernelSpec] = {
 
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
+# On SM90 the CuTe kernel is faster than Triton (benchmarks/NOTES.md); xqa_sm120 is not (it runs on SM90 only for
+# testing). On SM120 xqa_sm120 has never run on hardware, so Triton stays first until it is measured there.
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
-    9: ("triton",),
+    9: ("cute_sm90", "triton"),
     10: ("triton",),
     12: ("triton",),
 }

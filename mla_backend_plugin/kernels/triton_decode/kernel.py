@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
@@ -133,8 +134,10 @@ def _mla_decode_combine_kernel(
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
     b = tl.program_id(0)
     row = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -207,12 +210,21 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if plan.num_splits > 1:
-        _mla_decode_combine_kernel[(batch, rows)](
-            out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            NUM_HEADS=num_heads, Q_LEN=q_len, BLOCK_N=cfg.block_n,
-            NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
-            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits),
-            num_warps=4,
-        )
+        launch_combine(args, workspace, plan, cfg.block_n)
 
+
+def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -> None:
+    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse (shared by every split kernel
+    that writes the workspace layout: part = (request * q_len * H + row) * num_splits + split)."""
+    kv_scale_ptr, kv_scale_val, kv_is_ptr = _scale_args(args.kv_scale)
+    kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
+    out, lse = args.out, args.lse
+    extra = {"launch_pdl": True} if use_pdl else {}
+    _mla_decode_combine_kernel[(args.batch, args.q_len * args.num_heads)](
+        out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n,
+        NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
+        D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
+        num_warps=4, **extra,
+    )

@@ -1,0 +1,96 @@
+"""Ahead-of-time build of the CuTe-DSL SM90 kernel's variants with no GPU (``python -m mla_backend_plugin.compile
+--arch sm_90a``): each variant is compiled for sm_90a, its cubin is inspected with cuobjdump, and a variant
+fails unless the SASS holds wgmma (HGMMA), TMA loads (UTMALDG) for 16-bit caches, and no local-memory
+spills (STL/LDL, non-zero stack)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
+
+ARCHS = ("sm_90a",)
+
+
+def serving_variants() -> list[Variant]:
+    """What DeepSeek deployments on vLLM call: bf16 q/out, bf16 or fp8 cache (vLLM passes the fp8 scale as a
+    device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64; plus the other
+    page sizes, fp16 and an fp8 q at one shape each."""
+    out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8")
+           for kv, h, q in itertools.product(("bf16", "fp8"), (16, 32, 64, 128), (1, 2, 3, 4))]
+    out += [Variant("bf16", "bf16", "bf16", 128, 1, bs, False, False) for bs in (16, 32, 128)]
+    out += [Variant("fp8", "bf16", "bf16", 128, 2, bs, False, True) for bs in (16, 128)]
+    out += [Variant("fp16", "fp16", "fp16", 128, 1, 64, False, False),
+            Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True)]
+    return out
+
+
+def _cuobjdump() -> str:
+    try:
+        import triton.backends.nvidia as nvidia_backend
+
+        bundled = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+        if os.path.exists(bundled):
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("cuobjdump")
+    if found is None:
+        raise RuntimeError("cuobjdump not found (Triton's bundled one or the CUDA toolkit's)")
+    return found
+
+
+def inspect_cubin(path: str) -> dict:
+    """Registers, stack/local bytes and counts of the SASS instructions CI checks, from cuobjdump."""
+    tool = _cuobjdump()
+    usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    num = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else None  # noqa: E731
+    return dict(registers=num("REG"), stack=num("STACK"), local=num("LOCAL"), shared_static=num("SHARED"),
+                hgmma=len(re.findall(r"\bHGMMA\.", sass)), utmaldg=len(re.findall(r"\bUTMALDG", sass)),
+                spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
+
+
+def _build_one(variant: Variant, arch: str):
+    from mla_backend_plugin.compile import VariantResult
+    from mla_backend_plugin.kernels.cute_sm90.launch import compile_variant
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            compiled = compile_variant(variant, use_pdl=True, arch=arch, keep_dir=tmp)
+            cubin = getattr(compiled, "__cubin__", None)
+            if not isinstance(cubin, (bytes, bytearray)) or not cubin:
+                raise RuntimeError("the DSL returned no cubin (--keep-cubin)")
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            info = inspect_cubin(path)
+        except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
+            return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
+    spills = (info["stack"] or 0) + (info["local"] or 0)
+    problems = []
+    if info["hgmma"] == 0:
+        problems.append("no HGMMA (wgmma) in the SASS")
+    if variant.kv_dtype != "fp8" and info["utmaldg"] == 0:
+        problems.append("no UTMALDG (TMA load) in the SASS")
+    if spills or info["spill_ops"]:
+        problems.append(f"spills: stack {info['stack']} B, local {info['local']} B, {info['spill_ops']} STL/LDL")
+    return VariantResult(variant.name, not problems, info["registers"], shared_bytes(variant), spills,
+                         time.time() - t0, error="; ".join(problems))
+
+
+def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None):
+    if arch not in ARCHS:
+        raise ValueError(f"cute_sm90 is built for {ARCHS}, not {arch!r}")
+    variants = serving_variants() if variants is None else variants
+    jobs = jobs or min(len(variants), os.cpu_count() or 1, 8)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_build_one, variants, itertools.repeat(arch)))

@@ -1,0 +1,54 @@
+"""Static configuration of the CuTe-DSL SM90 decode kernel (no cutlass import: the planner and CPU tests read it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# One CTA owns 64 query rows (one wgmma M) of one request and one KV split, and walks the split's keys in
+# tiles of 64 (the wgmma N of Q K^T and the K of P V).
+BLOCK_M = 64
+BLOCK_N = 64
+KV_STAGES = 2  # 2 x 72 KB bf16 KV tiles + 72 KB of Q fill the 227 KB of shared memory
+# Warp groups: 0 = producer (TMA for 16-bit caches; load + fp8->16-bit conversion for fp8 caches),
+# 1 and 2 = consumers, each owning 256 of the 512 output columns.
+NUM_THREADS = 384
+# setmaxnreg budgets (sum x 128 threads <= 64K registers): consumers hold a 64x256 fp32 O slice (128 regs),
+# the 64x64 S tile (32) and P (16).
+REGS_CONSUMER = 240
+REGS_PRODUCER_TMA = 24
+REGS_CONSUMER_FP8 = 224
+REGS_PRODUCER_FP8 = 56
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Everything that changes the compiled binary (the compile-cache key)."""
+
+    kv_dtype: str  # "bf16" | "fp16" | "fp8"
+    q_dtype: str  # "bf16" | "fp16" | "fp8"
+    out_dtype: str  # "bf16" | "fp16"
+    num_heads: int
+    q_len: int
+    block_size: int
+    q_scale_is_ptr: bool
+    kv_scale_is_ptr: bool
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.out_dtype if self.q_dtype == "fp8" else self.q_dtype
+
+    @property
+    def name(self) -> str:
+        scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
+        return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
+                f"q={self.q_dtype} out={self.out_dtype} {scales}")
+
+
+def m_blocks(num_heads: int, q_len: int) -> int:
+    return -(-(num_heads * q_len) // BLOCK_M)
+
+
+def shared_bytes(variant: Variant | None = None) -> int:
+    """Dynamic shared memory of one CTA: mbarriers (padded to the 1 KB swizzle alignment), Q, the KV ring.
+    Every variant stages 16-bit tiles (fp8 caches are widened on the way in), so the size is the same."""
+    return 1024 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2

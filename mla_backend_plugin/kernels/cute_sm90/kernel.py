@@ -1,0 +1,418 @@
+"""CuTe-DSL MLA decode kernel for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV.
+
+One CTA = one request x 64 query rows (q_len x heads folded into M, row r = token r // H, head r % H) x one KV
+split (planned like the Triton kernel: the host fixes the grid from the batch size, the device trims the
+splits of each request from its seq_len, so a captured CUDA graph stays correct). 384 threads:
+
+* warp group 0 produces KV tiles of 64 keys x 576 into a 2-stage ring. 16-bit caches: warp 0 issues TMA
+  boxes of (min(block_size, 64) rows x 64 columns) page by page through the block table (9 boxes per page
+  slice, one per 64-column chunk of the 128B-swizzled K-major tile). fp8 caches: all 128 threads load the
+  tile with 16-byte global loads and widen e4m3 to the 16-bit compute dtype in shared memory (exact; the
+  scales are folded into the softmax scale and the output), so the MMA path is the same as for bf16.
+* warp groups 1 and 2 are consumers. Each computes S = Q K^T for the tile (SS wgmma, K = 576) and its
+  softmax, then P V for its own 256 of the 512 output columns (RS wgmma: P from registers; V is the same
+  shared-memory tile read through an MN-major view, no copy). S is computed by both groups: it costs 53%
+  more tensor work than exchanging P through shared memory, but needs no cross-group synchronisation
+  (a first version; docs/design/sm90_cute_mla.md describes the seesaw schedule that removes it).
+* Q (64 x 576) is loaded once by the consumers into 128B-swizzled shared memory (fp8 q widened there).
+
+Softmax runs in the log2 domain with the q/kv dequantisation scales folded into the logit scale; out is
+multiplied by kv_scale. With one split the kernel writes out (bf16/fp16) and the natural-log LSE; with more it
+writes fp32 partials (normalised O, log2 LSE) in the Triton kernel's workspace layout and the shared combine
+kernel (kernels/triton_decode) merges them. PDL: griddepcontrol.wait before the first global read, and
+launch_dependents after the last store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mla_backend_plugin.kernels.cute_sm90.config import (
+    BLOCK_M,
+    BLOCK_N,
+    KV_STAGES,
+    NUM_THREADS,
+    REGS_CONSUMER,
+    REGS_CONSUMER_FP8,
+    REGS_PRODUCER_FP8,
+    REGS_PRODUCER_TMA,
+    Variant,
+)
+
+D_NOPE = 512
+D_ROPE = 64
+D_QK = D_NOPE + D_ROPE
+K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
+
+
+class Sm90MlaDecode:
+    def __init__(self, variant: Variant, use_pdl: bool = True):
+        self.v = variant
+        self.use_pdl = use_pdl
+        self.cdtype = DTYPES[variant.compute_dtype]
+        self.kv_dtype = DTYPES[variant.kv_dtype]
+        self.q_dtype = DTYPES[variant.q_dtype]
+        self.out_dtype = DTYPES[variant.out_dtype]
+        self.fp8_kv = variant.kv_dtype == "fp8"
+        self.rows = variant.q_len * variant.num_heads
+        self.box_rows = min(variant.block_size, BLOCK_N)
+        self.regs_consumer = REGS_CONSUMER_FP8 if self.fp8_kv else REGS_CONSUMER
+        self.regs_producer = REGS_PRODUCER_FP8 if self.fp8_kv else REGS_PRODUCER_TMA
+        self.tile_bytes = BLOCK_N * D_QK * self.cdtype.width // 8
+
+    # ------------------------------------------------------------------------------------------------
+    # host side: layouts, TMA descriptor, launch
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
+                 mSeq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, num_splits: cutlass.Int32,
+                 min_chunk: cutlass.Int32, stream: cuda.CUstream):
+        cd = self.cdtype
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
+                                                   (BLOCK_M, BLOCK_N))
+        # two atoms along N: consumer group 1 owns output columns 0..255, group 2 owns 256..511
+        pv_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, MN_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                   (BLOCK_M, D_NOPE // 2), warpgroup.OperandSource.RMEM)
+        q_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 1)
+        kv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd,
+                                                  KV_STAGES)
+        # V = the first 512 columns of the same tile, read MN-major: with the atoms tiled K-first this view
+        # addresses exactly the bytes of the K-major tile (64-column chunks 4096 elements apart).
+        v_layout_one = sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N),
+                                                     cd, 1)
+        kv_stage_stride = BLOCK_N * D_QK
+        v_outer = cute.append(cute.select(v_layout_one.outer, mode=[0, 1]),
+                              cute.make_layout(KV_STAGES, stride=kv_stage_stride))
+
+        tma_atom = None
+        tma_tensor = None
+        if cutlass.const_expr(not self.fp8_kv):
+            # (block_size, 576, num_blocks): one TMA box = box_rows tokens x 64 columns of one page
+            g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+            box_layout = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cd),
+                (self.box_rows, 64), order=(0, 1))
+            tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv,
+                                                               box_layout, (self.box_rows, 64))
+
+        @cute.struct
+        class SharedStorage:
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(kv_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
+        self.kernel(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
+                    mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, min_chunk, q_layout,
+                    kv_layout, v_layout_one.inner, v_outer).launch(
+            grid=(mSeq.shape[0], m_blocks, num_splits), block=[NUM_THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
+               mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mOut: cute.Tensor,
+               mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
+               mKVScale: cute.Tensor,
+               q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
+               num_splits: cutlass.Int32, min_chunk: cutlass.Int32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
+        tidx, _, _ = cute.arch.thread_idx()
+        b, mblk, split = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
+
+        if cutlass.const_expr(self.fp8_kv):
+            kv_pipe = pipeline.PipelineAsync.create(
+                num_stages=KV_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+                barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True)
+        else:
+            kv_pipe = pipeline.PipelineTmaAsync.create(
+                num_stages=KV_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per warp
+                tx_count=self.tile_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True)
+        kv_producer, kv_consumer = kv_pipe.make_participants()
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if cutlass.const_expr(not self.fp8_kv):
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom)
+
+        # everything below may read what the previous kernel in the stream wrote
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        seq_len = mSeq[b]
+        # device half of split planning (the same formula as kernels/triton_decode _request_splits)
+        n_splits = cutlass.min(cutlass.max((seq_len + min_chunk - 1) // min_chunk, 1), num_splits)
+        chunk = cutlass.max((((seq_len + n_splits - 1) // n_splits) + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
+        n_splits = cutlass.max(cutlass.min(n_splits, (seq_len + chunk - 1) // chunk), 1)
+        if split < n_splits:
+            kv_start = split * chunk
+            kv_end = cutlass.min(kv_start + chunk, seq_len)
+            n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if cutlass.const_expr(self.fp8_kv):
+                    self.produce_fp8(kv_producer, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx)
+                else:
+                    if warp_idx == 0:
+                        self.produce_tma(kv_producer, tma_atom, tma_tensor, sKV, mKV, mBT, b, kv_start,
+                                         kv_end, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(qk_mma, pv_mma, kv_consumer, sQ, sKV, sV, mQn, mQp, mBT, mOut, mLse, mPartO,
+                             mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk,
+                             split,
+                             seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def produce_tma(self, kv_producer, tma_atom, tma_tensor, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles):
+        bs = self.v.block_size
+        rb = self.box_rows
+        # smem: (rb, 64, 64 / rb, 9, stages); gmem: (rb, 64, bs / rb, 9, num_blocks)
+        s_boxes = cute.flat_divide(sKV, (rb, 64))
+        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
+        tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
+                                         cute.group_modes(g_boxes, 0, 2))
+        num_blocks = mKV.shape[0]
+        for j in cutlass.range(n_tiles, unroll=1):
+            handle = kv_producer.acquire_and_advance()
+            tile_start = kv_start + j * BLOCK_N
+            # a dynamic loop over the page slices: unrolled, 16-token pages keep 4 page ids and their
+            # coordinates live and spill in the producer's 24 registers
+            for p in cutlass.range(BLOCK_N // rb, unroll=1):
+                tok = tile_start + p * rb
+                # a page slice past the split's end is fetched from an out-of-range page: TMA fills it with
+                # zeros, so no stale or garbage block-table entry is ever dereferenced
+                page = num_blocks
+                if tok < kv_end:
+                    page = mBT[b, tok // bs]
+                row_box = (tok % bs) // rb
+                for c in cutlass.range_constexpr(K_CHUNKS):
+                    cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, handle.index)],
+                              tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def produce_fp8(self, kv_producer, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx):
+        # thread t owns half a cache row: row t // 2, bytes [288 * (t % 2), +288) = 18 groups of 16 fp8
+        # values, read with 16-byte loads (one block-table lookup per thread and tile) in 3 batches of 6 so
+        # the loads of a batch are in flight together within the producer's small register budget
+        bs = self.v.block_size
+        cd = self.cdtype
+        row = tidx // 2
+        col0 = (tidx % 2) * (D_QK // 2)
+        for j in cutlass.range(n_tiles, unroll=1):
+            handle = kv_producer.acquire_and_advance()
+            tok = kv_start + j * BLOCK_N + row
+            stage_row = sKV[(row, None, handle.index)]
+            if tok < kv_end:
+                page = mBT[b, tok // bs]
+                src_row = mKV[(page, tok % bs, None)]
+                for batch in cutlass.range_constexpr(3):
+                    regs = [None] * 6
+                    for i in cutlass.range_constexpr(6):
+                        g = (col0 // 16) + batch * 6 + i
+                        regs[i] = cute.local_tile(src_row, (16,), (g,)).load()
+                    for i in cutlass.range_constexpr(6):
+                        g = (col0 // 16) + batch * 6 + i
+                        cute.local_tile(stage_row, (16,), (g,)).store(regs[i].to(cutlass.Float32).to(cd))
+            else:
+                # keys past the split's end: zeros (finite, and masked by the consumers anyway)
+                for i in cutlass.range_constexpr(18):
+                    dst = cute.local_tile(stage_row, (16,), ((col0 // 16) + i,))
+                    dst.store(cute.zeros_like(dst.load()))
+            # make the generic-proxy stores visible to wgmma (async proxy) before signalling the stage full
+            cute.arch.fence_proxy("async.shared", space="cta")
+            handle.commit()
+
+    @cute.jit
+    def consume(self, qk_mma, pv_mma, kv_consumer, sQ, sKV, sV, mQn, mQp, mBT, mOut, mLse, mPartO, mPartLse,
+                mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk, split, seq_len, kv_start, kv_end,
+                n_tiles, ctid):
+        H = self.v.num_heads
+        QL = self.v.q_len
+        cd = self.cdtype
+        rows = self.rows
+
+        # ---- Q -> shared memory (16-bit, swizzled), zero rows past q_len * H ----
+        for i in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256, unroll=1):
+            row = i // (D_QK // 8)
+            c8 = i % (D_QK // 8)
+            r = mblk * BLOCK_M + row
+            dst = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
+            if r < rows:
+                tok = b * QL + r // H
+                h = r % H
+                if c8 < D_NOPE // 8:
+                    src = cute.local_tile(mQn[(tok, h, None)], (8,), (c8,))
+                    dst.store(src.load().to(cutlass.Float32).to(cd))
+                else:
+                    src = cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,))
+                    dst.store(src.load().to(cutlass.Float32).to(cd))
+            else:
+                dst.store(cute.zeros_like(dst.load()))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+        qscale = q_scale
+        if cutlass.const_expr(self.v.q_scale_is_ptr):
+            qscale = mQScale[0]
+        kscale = kv_scale
+        if cutlass.const_expr(self.v.kv_scale_is_ptr):
+            kscale = mKVScale[0]
+        scale_log2 = sm_scale_log2 * qscale * kscale
+
+        qk_thr = qk_mma.get_slice(ctid % 128)
+        pv_thr = pv_mma.get_slice(ctid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKV))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
+        acc_o.fill(0.0)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
+
+        # the two rows this thread holds (accumulator values v with (v >> 1) & 1 == half)
+        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+        for half in cutlass.range_constexpr(2):
+            row_max[half] = -cutlass.Float32.inf
+            row_sum[half] = 0.0
+            r = mblk * BLOCK_M + tScS[2 * half][0]
+            # causal inside the q block: token t of the request sees seq_len - q_len + t + 1 keys
+            limit = cutlass.min(seq_len - QL + 1 + r // H, kv_end)
+            if r >= rows:
+                limit = 0
+            row_limit[half] = limit
+
+        n_s = cute.size(tScS)
+        n_o = cute.size(acc_o)
+        for j in cutlass.range(n_tiles, unroll=1):
+            handle = kv_consumer.wait_and_advance()
+            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, handle.index)], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            tile_start = kv_start + j * BLOCK_N
+            m_new = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            for half in cutlass.range_constexpr(2):
+                m_new[half] = row_max[half]
+            for v in cutlass.range_constexpr(n_s):
+                half = (v >> 1) & 1
+                s = acc_s[v] * scale_log2
+                if tile_start + tScS[v][1] >= row_limit[half]:
+                    s = -cutlass.Float32.inf
+                acc_s[v] = s
+                m_new[half] = cute.arch.fmax(m_new[half], s)
+            alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            for half in cutlass.range_constexpr(2):
+                m = cute.arch.warp_reduction_max(m_new[half], threads_in_group=4)
+                mu = m
+                if m == -cutlass.Float32.inf:
+                    mu = 0.0  # a row that has seen no key yet: keep its (zero) state
+                m_use[half] = mu
+                alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
+                row_max[half] = m
+                row_sum[half] = row_sum[half] * alpha[half]
+            for v in cutlass.range_constexpr(n_s):
+                half = (v >> 1) & 1
+                p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
+                acc_s[v] = p
+                row_sum[half] = row_sum[half] + p
+            for v in cutlass.range_constexpr(n_o):
+                acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+
+            # P as the register A operand of P V: S columns [16k, 16k+16) are exactly k-block k of A
+            r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, BLOCK_N // 16),
+                                                         stride=((1, 2, 4), 0, 8)), cd)
+            r_p_as_s = cute.make_tensor(r_p.iterator, acc_s.layout)
+            r_p_as_s.store(acc_s.load().to(cd))
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(pv_mma, acc_o, r_p[(None, None, k)], tOrV[(None, None, k, handle.index)], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            handle.release()
+
+        # ---- epilogue ----
+        inv = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        lse2 = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
+            i_v = 0.0
+            l_v = -cutlass.Float32.inf
+            if total > 0.0:
+                i_v = 1.0 / total
+                l_v = row_max[half] + cute.math.log2(total, fastmath=False)
+            inv[half] = i_v
+            lse2[half] = l_v
+        lane = ctid % 32
+        if num_splits == 1:
+            for v in cutlass.range_constexpr(n_o):
+                half = (v >> 1) & 1
+                r = mblk * BLOCK_M + tOcO[v][0]
+                if r < rows:
+                    mOut[(b * QL + r // H, r % H, tOcO[v][1])] = (acc_o[v] * (inv[half] * kscale)).to(
+                        self.out_dtype)
+            if ctid < 128 and lane % 4 == 0:
+                for half in cutlass.range_constexpr(2):
+                    r = mblk * BLOCK_M + tScS[2 * half][0]
+                    if r < rows:
+                        mLse[(b * QL + r // H, r % H)] = lse2[half] * LN2
+        else:
+            for v in cutlass.range_constexpr(n_o):
+                half = (v >> 1) & 1
+                r = mblk * BLOCK_M + tOcO[v][0]
+                if r < rows:
+                    part = (b * rows + r) * num_splits + split
+                    mPartO[(part, tOcO[v][1])] = acc_o[v] * inv[half]
+            if ctid < 128 and lane % 4 == 0:
+                for half in cutlass.range_constexpr(2):
+                    r = mblk * BLOCK_M + tScS[2 * half][0]
+                    if r < rows:
+                        mPartLse[(b * rows + r) * num_splits + split] = lse2[half]
+
+
+def softmax_scale_log2(softmax_scale: float) -> float:
+    return float(softmax_scale) * LOG2E
+
+
+__all__ = ["Sm90MlaDecode", "softmax_scale_log2", "math"]

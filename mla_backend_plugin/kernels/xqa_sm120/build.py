@@ -1,0 +1,232 @@
+"""Build the XQA MLA CUDA C++ kernels (csrc/xqa_mla) into one cubin per architecture, cached on disk.
+
+The cubin is built by nvcc on first use (or by ``python -m mla_backend_plugin.compile --arch sm_120a``) and
+cached under ``~/.cache/mla_backend_plugin/xqa/<key>/`` (``$CUTE_MLA_XQA_CACHE`` overrides the directory),
+where ``key`` hashes the sources, the nvcc version, the architecture and the flags: editing the source or
+switching toolkits builds anew, nothing else does. No GPU is needed to build; no torch C++ extension is involved
+(launch.py loads the cubin through the driver API).
+
+nvcc is looked up as ``$CUTE_MLA_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``$CUDA_PATH/bin/nvcc``, ``nvcc`` on PATH,
+then ``/usr/local/cuda/bin/nvcc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# architecture name -> nvcc -gencode argument. 'a' targets: SM120/121 and SM90 features are arch-specific.
+ARCHS = {
+    "sm_90a": "arch=compute_90a,code=sm_90a",
+    "sm_120a": "arch=compute_120a,code=sm_120a",
+    "sm_121a": "arch=compute_121a,code=sm_121a",
+}
+SOURCE_NAME = "xqa_mla.cu"
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v", "--expt-relaxed-constexpr")
+# kernel entry points in the cubin (unmangled)
+SPLIT_KERNELS = {  # (compute dtype, KV is fp8) -> name
+    ("bf16", False): "xqa_mla_split_bf16_kv16",
+    ("bf16", True): "xqa_mla_split_bf16_kv8",
+    ("fp16", False): "xqa_mla_split_fp16_kv16",
+    ("fp16", True): "xqa_mla_split_fp16_kv8",
+}
+COMBINE_KERNEL = "xqa_mla_combine"
+KERNEL_NAMES = tuple(SPLIT_KERNELS.values()) + (COMBINE_KERNEL,)
+
+NVCC_ENV_VAR = "CUTE_MLA_NVCC"
+CACHE_ENV_VAR = "CUTE_MLA_XQA_CACHE"
+SOURCE_ENV_VAR = "CUTE_MLA_XQA_SRC"
+# last resort when neither the environment nor PATH names nvcc (tests clear it to simulate a missing toolkit)
+DEFAULT_NVCC_PATHS: tuple[str, ...] = ("/usr/local/cuda/bin/nvcc",)
+
+
+class XqaBuildError(RuntimeError):
+    pass
+
+
+def source_dir() -> Path:
+    """Directory of the .cu/.h sources: $CUTE_MLA_XQA_SRC, a copy shipped inside the package, or the repo's csrc."""
+    env = os.environ.get(SOURCE_ENV_VAR)
+    here = Path(__file__).resolve().parent
+    candidates = ([Path(env)] if env else []) + [here / "csrc", here.parents[2] / "csrc" / "xqa_mla"]
+    for cand in candidates:
+        if (cand / SOURCE_NAME).is_file():
+            return cand
+    raise XqaBuildError(f"XQA MLA sources not found (looked for {SOURCE_NAME} in "
+                        + ", ".join(str(c) for c in candidates) + f"; set {SOURCE_ENV_VAR})")
+
+
+def find_nvcc() -> str | None:
+    env = os.environ.get(NVCC_ENV_VAR)
+    if env:
+        return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for path in DEFAULT_NVCC_PATHS:
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def require_nvcc() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise XqaBuildError(
+            "nvcc not found: the xqa_sm120 kernel is compiled from CUDA C++ on first use and needs the CUDA "
+            f"toolkit's nvcc (>= 12.8 for sm_120a/sm_121a); put it on PATH or set CUDA_HOME or {NVCC_ENV_VAR}")
+    return nvcc
+
+
+_NVCC_VERSIONS: dict[str, str] = {}
+
+
+def nvcc_version(nvcc: str) -> str:
+    if nvcc not in _NVCC_VERSIONS:
+        proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise XqaBuildError(f"{nvcc} --version failed: {proc.stderr.strip()[:300]}")
+        _NVCC_VERSIONS[nvcc] = proc.stdout.strip()
+    return _NVCC_VERSIONS[nvcc]
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"xqa_sm120: architecture {arch!r} is not supported; allowed: {', '.join(ARCHS)}")
+    return arch
+
+
+def cache_root() -> Path:
+    env = os.environ.get(CACHE_ENV_VAR)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mla_backend_plugin" / "xqa"
+
+
+def _sources(src: Path) -> list[Path]:
+    return sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
+
+
+def cache_key(arch: str, nvcc: str, flags: tuple[str, ...] = NVCC_FLAGS) -> str:
+    """Hash of every source file, the nvcc version, the architecture and the flags."""
+    h = hashlib.sha256()
+    for path in _sources(source_dir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(nvcc_version(nvcc).encode() + b"\0" + ARCHS[check_arch(arch)].encode() + b"\0")
+    h.update(" ".join(flags).encode())
+    return h.hexdigest()[:20]
+
+
+@dataclasses.dataclass
+class BuildResult:
+    arch: str
+    cubin: Path
+    log: str  # ptxas -v output (saved beside the cubin, so a cached build still reports its resources)
+    seconds: float  # nvcc wall time; 0 for a cache hit
+    cached: bool
+
+
+def build(arch: str, *, force: bool = False, flags: tuple[str, ...] = NVCC_FLAGS) -> BuildResult:
+    """The cubin for ``arch`` (``sm_90a``, ``sm_120a``, ``sm_121a``), compiled unless the cache has it."""
+    check_arch(arch)
+    nvcc = require_nvcc()
+    key = cache_key(arch, nvcc, flags)
+    out_dir = cache_root() / key
+    cubin = out_dir / f"xqa_mla_{arch}.cubin"
+    log_path = out_dir / f"xqa_mla_{arch}.ptxas.log"
+    if not force and cubin.is_file() and log_path.is_file():
+        return BuildResult(arch, cubin, log_path.read_text(), 0.0, True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = source_dir()
+    t0 = time.time()
+    # Build into a private temp name and rename: concurrent builders (pytest -n, several ranks) never see a
+    # half-written cubin.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".cubin.tmp")
+    os.close(fd)
+    cmd = [nvcc, *flags, "-gencode", ARCHS[arch], "-I", str(src), "-o", tmp, str(src / SOURCE_NAME)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise XqaBuildError(f"nvcc failed for {arch} (exit {proc.returncode}): {' '.join(cmd)}\n"
+                                f"{(proc.stderr or proc.stdout).strip()[-3000:]}")
+        log = proc.stdout + proc.stderr
+        fd, tmp_log = tempfile.mkstemp(dir=out_dir, suffix=".log.tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(log)
+        os.replace(tmp_log, log_path)
+        os.replace(tmp, cubin)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return BuildResult(arch, cubin, log, time.time() - t0, False)
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """Per kernel: registers, static shared bytes, spill bytes (stores + loads) and stack, from ptxas -v."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\S+)", line) or re.search(r"Compiling entry function '([^']+)'",
+                                                                             line)
+        if m:
+            current = out.setdefault(m.group(1), {"registers": 0, "shared": 0, "spills": 0, "stack": 0})
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            current["stack"] = int(m.group(1))
+            current["spills"] = int(m.group(2)) + int(m.group(3))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            current["registers"] = int(m.group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m:
+            current["shared"] = int(m.group(1))
+    return out
+
+
+def header_constants() -> dict[str, int]:
+    """The ``#define XQA_MLA_*`` numbers of xqa_mla_params.h (tile shape, threads, dynamic smem)."""
+    text = (source_dir() / "xqa_mla_params.h").read_text()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"#define (XQA_MLA_\w+) (\d+)", text)}
+
+
+def dynamic_smem_bytes(kernel: str) -> int:
+    return 0 if kernel == COMBINE_KERNEL else header_constants()["XQA_MLA_SMEM_BYTES"]
+
+
+def compile_variants(arch: str):
+    """Build for ``arch`` and report every kernel (mla_backend_plugin.compile's contract)."""
+    from mla_backend_plugin.compile import VariantResult
+
+    t0 = time.time()
+    try:
+        res = build(arch)
+    except (XqaBuildError, ValueError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return [VariantResult(f"xqa {name}", False, seconds=time.time() - t0, error=first) for name in KERNEL_NAMES]
+    info = parse_ptxas(res.log)
+    results = []
+    for name in KERNEL_NAMES:
+        k = info.get(name)
+        label = f"xqa {name}" + (" (cached)" if res.cached else "")
+        if k is None:
+            results.append(VariantResult(label, False, seconds=res.seconds, error="kernel missing from ptxas output"))
+            continue
+        results.append(VariantResult(label, True, registers=k["registers"],
+                                     shared_bytes=k["shared"] + dynamic_smem_bytes(name),
+                                     spill_bytes=k["spills"], seconds=res.seconds))
+    return results

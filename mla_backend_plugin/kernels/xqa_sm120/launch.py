@@ -1,0 +1,164 @@
+"""Registry entry points of the xqa_sm120 kernel: ``unsupported_reason(args, cc)`` and ``launch(args, workspace)``.
+
+Importable without a GPU or nvcc. ``launch`` builds the cubin for the device's architecture on first use
+(build.py), loads it with the driver API (cuda_driver.py) into torch's context, and launches the split kernel
+and, when the plan splits the KV, the combine kernel on torch's current stream. Nothing is allocated and
+nothing synchronises, so a call is CUDA-graph safe once the cubin is loaded (the first call, eager, loads it).
+
+PDL (programmatic dependent launch) is on by default; ``CUTE_MLA_PDL=0`` (or ``launch(..., pdl=False)``)
+launches without the attribute. The kernels are correct either way (griddepcontrol.wait is a no-op without it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from mla_backend_plugin.kernels.xqa_sm120 import build
+from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+
+PDL_ENV_VAR = "CUTE_MLA_PDL"
+# compute capability -> the cubin's architecture
+ARCH_BY_CC = {(9, 0): "sm_90a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class XqaMlaParams(ctypes.Structure):
+    """Mirror of ``struct XqaMlaParams`` in csrc/xqa_mla/xqa_mla_params.h (same order, no padding)."""
+
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("q_nope", "q_pe", "kv", "block_table", "seq_lens", "out", "lse",
+                                          "part_out", "part_lse", "q_scale_ptr", "kv_scale_ptr")]
+        + [(n, ctypes.c_int64) for n in ("stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h",
+                                         "stride_kv_blk_bytes", "stride_kv_tok_bytes", "stride_bt",
+                                         "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h")]
+        + [(n, ctypes.c_float) for n in ("q_scale_val", "kv_scale_val", "sm_scale")]
+        + [(n, ctypes.c_int) for n in ("num_heads", "q_len", "page_size", "num_splits", "min_chunk", "q_fp8",
+                                       "out_bf16", "out_vec2")]
+    )
+
+
+def pdl_enabled() -> bool:
+    value = os.environ.get(PDL_ENV_VAR, "1").strip().lower()
+    if value not in ("0", "1", "", "true", "false", "on", "off", "yes", "no"):
+        raise ValueError(f"{PDL_ENV_VAR}={value!r}: allowed values are 0 and 1")
+    return value not in ("0", "false", "off", "no")
+
+
+def arch_for(cc: tuple[int, int] | None) -> str | None:
+    return ARCH_BY_CC.get(tuple(cc)) if cc is not None else None
+
+
+def unsupported_reason(args, cc: tuple[int, int] | None) -> str | None:
+    if cc is None:
+        return "needs a CUDA device"
+    if arch_for(cc) is None:
+        return (f"needs compute capability 9.0 or 12.x (sm_90a/sm_120a/sm_121a builds), device has "
+                f"{cc[0]}.{cc[1]}")
+    if build.find_nvcc() is None:
+        return "nvcc not found (the kernel is compiled from CUDA C++ on first use; set CUDA_HOME or CUTE_MLA_NVCC)"
+    if args.compute_dtype not in _DTYPE_NAME:
+        return f"compute dtype {args.compute_dtype} not supported (bf16/fp16)"
+    if args.out.dtype not in _DTYPE_NAME:
+        return f"out dtype {args.out.dtype} not supported (bf16/fp16)"
+    kv = args.kv_cache
+    es = kv.element_size()
+    if kv.data_ptr() % 16 or (kv.stride(0) * es) % 16 or (kv.stride(1) * es) % 16:
+        return "kv_cache must be 16-byte aligned with 16-byte aligned page and token strides (cp.async gathers)"
+    return None
+
+
+class _Loaded:
+    def __init__(self, module: build.BuildResult, cuda_module):
+        self.build = module
+        self.module = cuda_module
+        smem = build.header_constants()["XQA_MLA_SMEM_BYTES"]
+        self.split = {k: cuda_module.function(name, smem) for k, name in build.SPLIT_KERNELS.items()}
+        self.combine = cuda_module.function(build.COMBINE_KERNEL)
+        self.smem = smem
+
+
+_MODULES: dict[tuple[int, str], _Loaded] = {}  # (context handle, arch) -> loaded cubin
+_LOCK = threading.Lock()
+_CONSTS: dict[str, int] = {}
+
+
+def _consts() -> dict[str, int]:
+    if not _CONSTS:
+        _CONSTS.update(build.header_constants())
+    return _CONSTS
+
+
+def load(device: torch.device) -> _Loaded:
+    """Build (if not cached) and load the cubin for ``device`` into its primary context."""
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver
+
+    torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = torch.cuda.get_device_capability(index)
+    arch = arch_for(cc)
+    if arch is None:
+        raise RuntimeError(f"xqa_sm120: compute capability {cc[0]}.{cc[1]} is not supported; "
+                           f"allowed: {', '.join(f'{a}.{b}' for a, b in ARCH_BY_CC)} ({', '.join(build.ARCHS)})")
+    with torch.cuda.device(index):
+        ctx = cuda_driver.current_context(index)
+        key = (ctx, arch)
+        loaded = _MODULES.get(key)
+        if loaded is None:
+            with _LOCK:
+                loaded = _MODULES.get(key)
+                if loaded is None:
+                    res = build.build(arch)
+                    loaded = _MODULES[key] = _Loaded(res, cuda_driver.CudaModule(res.cubin.read_bytes(), ctx))
+    return loaded
+
+
+def _scale(scale) -> tuple[int, float]:
+    """(device pointer or 0, value): a 1-element device tensor is read by the kernel (no host sync)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.data_ptr(), 1.0
+    return 0, 1.0 if scale is None else float(scale)
+
+
+def launch(args, workspace, pdl: bool | None = None) -> None:
+    """Run the XQA decode on validated ``DecodeArgs`` (ops/api.py), writing args.out and args.lse."""
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver
+
+    device = args.q_nope.device
+    loaded = load(device)
+    c = _consts()
+    pdl = pdl_enabled() if pdl is None else pdl
+    batch, q_len, heads = args.batch, args.q_len, args.num_heads
+    plan = workspace.plan(batch, q_len)
+    rows = q_len * heads
+    if plan.num_splits > 1 and workspace.partial_rows < batch * rows * plan.num_splits:
+        raise RuntimeError(f"xqa_sm120: workspace holds {workspace.partial_rows} partial rows, "
+                           f"needs {batch * rows * plan.num_splits}")
+    kv, out, lse = args.kv_cache, args.out, args.lse
+    q_ptr, q_val = _scale(args.q_scale)
+    kv_ptr, kv_val = _scale(args.kv_scale)
+    out_vec2 = out.data_ptr() % 4 == 0 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
+    p = XqaMlaParams(
+        args.q_nope.data_ptr(), args.q_pe.data_ptr(), kv.data_ptr(), args.block_table.data_ptr(),
+        args.seq_lens.data_ptr(), out.data_ptr(), lse.data_ptr(), workspace.partial_out.data_ptr(),
+        workspace.partial_lse.data_ptr(), q_ptr, kv_ptr,
+        args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
+        kv.stride(0) * kv.element_size(), kv.stride(1) * kv.element_size(), args.block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        q_val, kv_val, args.softmax_scale,
+        heads, q_len, kv.shape[1], plan.num_splits, plan.min_chunk,
+        int(args.q_dtype == FP8_DTYPE), int(out.dtype == torch.bfloat16), int(out_vec2),
+    )
+    assert out.shape[-1] == KV_LORA_RANK
+    fn = loaded.split[(_DTYPE_NAME[args.compute_dtype], kv.dtype == FP8_DTYPE)]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    m_blocks = -(-rows // c["XQA_MLA_BLOCK_M"])
+    with torch.cuda.device(device):
+        cuda_driver.launch(fn, (m_blocks, plan.num_splits, batch), (c["XQA_MLA_THREADS"], 1, 1), loaded.smem,
+                           stream, p, pdl=pdl)
+        if plan.num_splits > 1:
+            cuda_driver.launch(loaded.combine, (rows, batch, 1), (c["XQA_MLA_COMBINE_THREADS"], 1, 1), 0, stream,
+                               p, pdl=pdl)

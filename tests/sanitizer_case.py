@@ -1,0 +1,40 @@
+"""A small decode run of one kernel (argv[1]) for compute-sanitizer (memcheck / racecheck); run by
+tests/test_kernel_features_gpu.py.
+
+Covers the split and the unsplit path, bf16 and fp8 KV, a request shorter than q_len and an empty one; checks
+the results against the reference too, and prints XQA_SANITIZER_OK at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mla_testutils import assert_close_decode, make_decode_inputs
+
+from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+
+
+def main(kernel: str) -> None:
+    for kv_dtype, num_sms in ((torch.bfloat16, 1), (torch.bfloat16, 132), (FP8_DTYPE, 132)):
+        lens = [300, 1, 0]
+        inp = make_decode_inputs(3, lens, 2, 16, 16, kv_dtype, "pair", "cuda", 7,
+                                 kv_scale=2.0 if kv_dtype == FP8_DTYPE else None)
+        # num_sms=1 plans no split; 132 splits the 300-token request
+        ws = MLAWorkspace("cuda", max_batch=3, max_q_len=2, num_heads=16, num_sms=num_sms)
+        out, lse = inp.poisoned_outputs()
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
+                   kernel=kernel, **inp.scale_kwargs())
+        torch.cuda.synchronize()
+        ref_out, ref_lse = inp.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"sanitizer case {kv_dtype} sms={num_sms}")
+    print("SANITIZER_OK")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
