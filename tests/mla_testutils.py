@@ -312,3 +312,33 @@ def assert_close_decode(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Ten
     live = ~ref_dead
     torch.testing.assert_close(lse_f[live], ref_lse[live], rtol=0.0, atol=tol["lse_atol"], equal_nan=False,
                                msg=lambda m: f"lse mismatch{where}\n{m}")
+
+
+def kernel_unsupported_reason(name: str, device: str = "cuda") -> str | None:
+    """Why registry kernel ``name`` cannot run on this machine's GPU (arch, toolchain), from a representative
+    bf16 call; None when it can. GPU test files use it to skip a kernel cleanly."""
+    from mla_backend_plugin.ops import prepare_args, registry
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16, device=device)
+    kv = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device=device)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    args = prepare_args(q, kv, bt, torch.ones(1, dtype=torch.int32, device=device), softmax_scale=0.1)
+    return registry.KERNELS[name].unsupported_reason(args, registry.device_capability(q.device))
+
+
+def capture_graph(run, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """Warm ``run`` up on a side stream (kernels compile and cache their launchers), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+    return graph

@@ -18,10 +18,11 @@ import sys
 
 import pytest
 import torch
-from mla_testutils import assert_close_decode, draw_seq_lens, make_decode_inputs
+from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, kernel_unsupported_reason,
+                           make_decode_inputs)
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry
+from mla_backend_plugin.ops import MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 
 pytestmark = pytest.mark.gpu
@@ -33,25 +34,15 @@ KERNEL = "xqa_sm120"  # set per test by the kernel fixture
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _cannot_run(name: str) -> str | None:
-    if not torch.cuda.is_available():
-        return "no GPU"
-    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16, device="cuda")
-    kv = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
-    bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
-    args = prepare_args(q, kv, bt, torch.ones(1, dtype=torch.int32, device="cuda"), softmax_scale=0.1)
-    return registry.KERNELS[name].unsupported_reason(args, registry.device_capability(q.device))
-
-
 @pytest.fixture(autouse=True, params=PDL_KERNELS)
 def kernel(request, monkeypatch):
-    reason = _cannot_run(request.param)
+    reason = kernel_unsupported_reason(request.param)
     if reason is not None:
         pytest.skip(f"{request.param}: {reason}")
     monkeypatch.setitem(globals(), "KERNEL", request.param)
-    return request.param
     monkeypatch.delenv("CUTE_MLA_KERNEL", raising=False)
     monkeypatch.setenv("CUTE_MLA_SELF_CHECK", "never")
+    return request.param
 
 
 def _run(inp, ws, as_tensor=False):
@@ -107,16 +98,7 @@ def test_graph_replay_back_to_back(monkeypatch, pdl):
         mla_decode((out1, q_pe), kv, bt, seq, softmax_scale=static.softmax_scale, out=out2, lse=lse2,
                    workspace=ws, kernel=KERNEL)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    torch.cuda.synchronize()
+    graph = capture_graph(run, warmup=1)
     for i, lens in enumerate([draw_seq_lens(batch, 2500, block_size=bs, seed=9, max_len=width * bs),
                               [1, 0, 64, 65, width * bs, 3]]):
         new = fresh(lens, 20 + i)

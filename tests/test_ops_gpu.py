@@ -34,7 +34,8 @@ import os
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
-from mla_testutils import assert_close_decode, draw_seq_lens, make_decode_inputs
+from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, kernel_unsupported_reason,
+                           make_decode_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -60,14 +61,7 @@ def _kernel_cannot_run(name: str) -> str | None:
     wanted = os.environ.get("MLA_TEST_KERNELS")
     if wanted and name not in wanted.split(","):
         return f"MLA_TEST_KERNELS={wanted}"
-    if not torch.cuda.is_available():
-        return "no GPU"
-    # a representative call: what the kernel says about this device (arch, toolchain)
-    q = torch.zeros(1, 128, 576, dtype=BF16, device=DEVICE)
-    kv = torch.zeros(1, 64, 576, dtype=BF16, device=DEVICE)
-    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    args = prepare_args(q, kv, bt, torch.ones(1, dtype=torch.int32, device=DEVICE), softmax_scale=0.1)
-    return registry.KERNELS[name].unsupported_reason(args, registry.device_capability(q.device))
+    return kernel_unsupported_reason(name, DEVICE)
 
 
 @pytest.fixture(autouse=True, params=GPU_KERNELS)
@@ -406,18 +400,7 @@ def test_cuda_graph_replay(kv_kind):
         mla_decode((q_nope, q_pe), kv_cache, block_table, seq_lens, softmax_scale=static.softmax_scale,
                    kv_scale=kv_scale, out=out, lse=lse, workspace=ws, kernel=KERNEL)
 
-    # warm up (Triton compiles and caches its launchers) on a side stream, then capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    torch.cuda.synchronize()
+    graph = capture_graph(run)
 
     rounds = [
         ("new-content", capture_lens, 3.0),
