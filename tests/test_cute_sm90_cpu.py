@@ -60,3 +60,47 @@ def test_rejects_other_archs_at_build_time():
 
     with pytest.raises(ValueError, match="sm_90a"):
         compile_variants("sm_100a", [])
+
+
+# ---- on-disk cache of exported variants (aot.py) ----
+
+
+def test_cache_is_opt_in_and_keyed_by_what_changes_the_binary(monkeypatch, tmp_path):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    monkeypatch.delenv(aot.CACHE_ENV_VAR, raising=False)
+    assert aot.cache_root() is None and aot.library_path(config.Variant("bf16", "bf16", "bf16", 128, 1, 64,
+                                                                        False, False), True, "sm_90a") is None
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, "1")
+    assert aot.cache_root().endswith("cute_sm90")
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
+    v = config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False)
+    keys = {aot.cache_key(v, True, "sm_90a"), aot.cache_key(v, False, "sm_90a"),
+            aot.cache_key(config.Variant("bf16", "bf16", "bf16", 128, 2, 64, False, False), True, "sm_90a")}
+    assert len(keys) == 3 and aot.cache_key(v, True, "sm_90a") == aot.cache_key(v, True, "sm_90a")
+    assert aot.library_path(v, True, "sm_90a").startswith(str(tmp_path))
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+def test_exported_variant_loads_without_compiling(monkeypatch, tmp_path):
+    """compile -> export to the cache -> a later lookup loads the library and never calls the compiler."""
+    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
+
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
+    v = config.Variant("fp8", "bf16", "bf16", 16, 3, 16, False, True)
+    compiled = launch.compile_variant(v, True, arch="sm_90a")
+    path = aot.export(compiled, v, True, "sm_90a")
+    assert path.startswith(str(tmp_path)) and path.endswith(".so")
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled although the cache holds the variant")
+
+    monkeypatch.setattr(launch, "compile_variant", no_compile)
+    launch._compiled.cache_clear()
+    try:
+        fn = launch._compiled(v, True)
+    finally:
+        launch._compiled.cache_clear()
+    import tvm_ffi
+
+    assert isinstance(fn, tvm_ffi.Function)

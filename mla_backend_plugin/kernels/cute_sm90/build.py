@@ -14,6 +14,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from mla_backend_plugin.kernels.cute_sm90 import aot
 from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
 
 ARCHS = ("sm_90a",)
@@ -73,6 +74,8 @@ def _build_one(variant: Variant, arch: str):
             with open(path, "wb") as f:
                 f.write(cubin)
             info = inspect_cubin(path)
+            if aot.cache_root() is not None:  # pre-build for serving: the GPU host loads it instead of compiling
+                aot.export(compiled, variant, True, arch)
         except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
             return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)

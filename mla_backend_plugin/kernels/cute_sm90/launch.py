@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -97,9 +98,30 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
                         cutlass.Int32(1), cutlass.Int32(128), make_fake_stream(), options=" ".join(options))
 
 
+ARCH = "sm_90a"
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, use_pdl: bool):
-    return compile_variant(variant, use_pdl)
+    """The variant's function: from the on-disk cache when enabled and present (aot.py), else compiled now
+    (and exported to the cache when it is enabled). Runs outside CUDA-graph capture: vLLM's warm-up and the
+    first eager call reach it first."""
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    try:
+        cached = aot.load(variant, use_pdl, ARCH)
+    except Exception as e:  # noqa: BLE001 - a broken or incompatible library is rebuilt
+        warnings.warn(f"cute_sm90: ignoring the cached {variant.name}: {e}", RuntimeWarning, stacklevel=2)
+        cached = None
+    if cached is not None:
+        return cached
+    compiled = compile_variant(variant, use_pdl, arch=ARCH)
+    if aot.cache_root() is not None:
+        try:
+            aot.export(compiled, variant, use_pdl, ARCH)
+        except Exception as e:  # noqa: BLE001 - the JIT result still runs
+            warnings.warn(f"cute_sm90: could not cache {variant.name}: {e}", RuntimeWarning, stacklevel=2)
+    return compiled
 
 
 def launch(args, workspace) -> None:
