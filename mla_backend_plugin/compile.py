@@ -92,11 +92,14 @@ def triton_variants(cc: int):
                 yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
                        k._mla_decode_split_kernel, pointers, constexprs,
                        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    constexprs = dict(NUM_HEADS=128, Q_LEN=2, BLOCK_N=64, NUM_SPLITS=8, MIN_CHUNK=128, KV_SCALE_IS_PTR=True,
-                      D_NOPE=KV_LORA_RANK, SPLITS_P2=8)
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
-    yield "triton_combine h128 q2 splits=8", k._mla_decode_combine_kernel, pointers, constexprs, dict(num_warps=4)
+    # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched after cute_sm90
+    for use_pdl in (False, True) if cc >= 90 else (False,):
+        constexprs = dict(NUM_HEADS=128, Q_LEN=2, BLOCK_N=64, NUM_SPLITS=8, MIN_CHUNK=128, KV_SCALE_IS_PTR=True,
+                          D_NOPE=KV_LORA_RANK, SPLITS_P2=8, USE_PDL=use_pdl)
+        yield (f"triton_combine h128 q2 splits=8{' pdl' if use_pdl else ''}", k._mla_decode_combine_kernel,
+               pointers, constexprs, dict(num_warps=4))
 
 
 def compile_triton(arch: str) -> list[VariantResult]:
