@@ -68,30 +68,40 @@ def _ptxas_report(ptx: str, gpu_name: str) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, sum(int(s) for s in spills) if spills else None)
 
 
-def triton_variants(cc: int):
-    """(name, jit function, signature, constexprs, options) of every Triton decode variant worth building."""
+# opt-in shared memory per block of the GPUs each arch stands for (A100; RTX 40xx / L4; H100/H200; B200;
+# RTX 50xx / RTX PRO 6000 / DGX Spark): the Triton tile is chosen to fit it (triton_decode/config.py)
+SMEM_PER_BLOCK = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376, 121: 101_376}
+
+
+def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int):
+    """(signature pointers, constexprs, options) of one Triton split-kernel build."""
     import triton.language as tl
 
-    from mla_backend_plugin.kernels.triton_decode import kernel as k
-    from mla_backend_plugin.kernels.triton_decode.config import config_for
     from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
-    kv_dtypes = [("bf16", "*bf16")] + ([("fp8", "*fp8e4nv")] if cc >= 89 else [])
+    constexprs = dict(NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      NUM_SPLITS=splits, MIN_CHUNK=128, Q_SCALE_IS_PTR=False, KV_SCALE_IS_PTR=kv_name == "fp8",
+                      D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=tl.bfloat16)
+    pointers = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv" if kv_name == "fp8" else "*bf16",
+                    block_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+                    part_o_ptr="*fp32", part_lse_ptr="*fp32", q_scale_ptr="*fp32", kv_scale_ptr="*fp32",
+                    q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
+    return pointers, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def triton_variants(cc: int):
+    """(name, jit function, signature, constexprs, options) of every Triton decode variant worth building."""
+    from mla_backend_plugin.kernels.triton_decode import kernel as k
+    from mla_backend_plugin.kernels.triton_decode.config import config_for
+    from mla_backend_plugin.ops.constants import KV_LORA_RANK
+
+    kv_names = ["bf16"] + (["fp8"] if cc >= 89 else [])
     for num_heads, q_len in ((128, 2), (16, 1)):
-        cfg = config_for(num_heads)
-        for kv_name, kv_ptr in kv_dtypes:
+        cfg = config_for(num_heads, SMEM_PER_BLOCK[cc])
+        for kv_name in kv_names:
             for splits in (1, 8):
-                constexprs = dict(NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=64, BLOCK_M=cfg.block_m,
-                                  BLOCK_N=cfg.block_n, NUM_SPLITS=splits, MIN_CHUNK=128, Q_SCALE_IS_PTR=False,
-                                  KV_SCALE_IS_PTR=kv_name == "fp8", D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM,
-                                  COMPUTE_DTYPE=tl.bfloat16)
-                pointers = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr=kv_ptr, block_table_ptr="*i32",
-                                seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32",
-                                part_lse_ptr="*fp32", q_scale_ptr="*fp32", kv_scale_ptr="*fp32",
-                                q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
                 yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
-                       k._mla_decode_split_kernel, pointers, constexprs,
-                       dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                       k._mla_decode_split_kernel, *triton_split_spec(cfg, num_heads, q_len, kv_name, splits))
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
     # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched after cute_sm90
@@ -102,21 +112,30 @@ def triton_variants(cc: int):
                pointers, constexprs, dict(num_warps=4))
 
 
-def compile_triton(arch: str) -> list[VariantResult]:
+def build_triton(fn, pointers: dict, constexprs: dict, options: dict, cc: int):
+    """Compile one Triton kernel for compute capability ``cc`` with no GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {arg: pointers.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", cc, 32),
+                          options=options)
+
+
+def compile_triton(arch: str) -> list[VariantResult]:
     cc, gpu_name = ARCHS[arch]
     results = []
     for name, fn, pointers, constexprs, options in triton_variants(cc):
         t0 = time.time()
-        signature = {arg: pointers.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
         try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", cc, 32), options=options)
+            compiled = build_triton(fn, pointers, constexprs, options, cc)
             regs, spills = _ptxas_report(compiled.asm["ptx"], gpu_name)
-            results.append(VariantResult(name, True, regs, compiled.metadata.shared, spills, time.time() - t0))
+            shared = compiled.metadata.shared
+            fits = shared <= SMEM_PER_BLOCK[cc]
+            results.append(VariantResult(name, fits, regs, shared, spills, time.time() - t0,
+                                         error="" if fits else f"{shared} B of shared memory > the "
+                                                               f"{SMEM_PER_BLOCK[cc]} B a block gets on {arch}"))
         except Exception as e:  # noqa: BLE001 - a failing variant is reported, and fails the command
             results.append(VariantResult(name, False, seconds=time.time() - t0, error=str(e).splitlines()[-1]))
     return results

@@ -91,8 +91,8 @@ class MLAWorkspace:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = int(num_sms)
         if rows_per_cta is None:
-            from mla_backend_plugin.kernels.triton_decode.config import rows_per_cta_for
-            rows_per_cta = rows_per_cta_for(num_heads)
+            from mla_backend_plugin.kernels.triton_decode.config import device_smem_per_block, rows_per_cta_for
+            rows_per_cta = rows_per_cta_for(num_heads, device_smem_per_block(self.device))
         self.rows_per_cta = int(rows_per_cta)
         self._plans: dict[tuple[int, int], SplitPlan] = {}
         # Worst case over every batch size and q_len this workspace serves: the planner splits less as

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for
+from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for, device_smem_per_block
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
 # fp8 operands are widened to the 16-bit dtype of the other operand before tl.dot (exact for e4m3).
@@ -183,7 +183,7 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
     ``config`` overrides the tile configuration (benchmarks/tune_triton.py); the workspace must have been
     planned for the same ``block_m`` (``MLAWorkspace(..., rows_per_cta=config.block_m)``).
     """
-    cfg = config or config_for(args.num_heads)
+    cfg = config or config_for(args.num_heads, device_smem_per_block(args.q_nope.device))
     batch, q_len, num_heads = args.batch, args.q_len, args.num_heads
     plan = workspace.plan(batch, q_len)
     assert plan.rows_per_cta == cfg.block_m, "workspace planned for another tile shape"
