@@ -73,10 +73,11 @@ def _ptxas_report(ptx: str, gpu_name: str) -> tuple[int | None, int | None]:
 SMEM_PER_BLOCK = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376, 121: 101_376}
 
 
-def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int):
+def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int, cc: int = 90):
     """(signature pointers, constexprs, options) of one Triton split-kernel build."""
     import triton.language as tl
 
+    from mla_backend_plugin.kernels.triton_decode.config import compiler_options
     from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
     constexprs = dict(NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -86,7 +87,7 @@ def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int
                     block_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
                     part_o_ptr="*fp32", part_lse_ptr="*fp32", q_scale_ptr="*fp32", kv_scale_ptr="*fp32",
                     q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
-    return pointers, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pointers, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **compiler_options(cc))
 
 
 def triton_variants(cc: int):
@@ -101,7 +102,7 @@ def triton_variants(cc: int):
         for kv_name in kv_names:
             for splits in (1, 8):
                 yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
-                       k._mla_decode_split_kernel, *triton_split_spec(cfg, num_heads, q_len, kv_name, splits))
+                       k._mla_decode_split_kernel, *triton_split_spec(cfg, num_heads, q_len, kv_name, splits, cc))
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
     # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched after cute_sm90

@@ -60,6 +60,13 @@ def rows_per_cta_for(num_heads: int, smem_per_block: int | None = None) -> int:
     return config_for(num_heads, smem_per_block).block_m
 
 
+def compiler_options(cc: int) -> dict:
+    """Extra Triton compile options per compute capability (cc = 10 * major + minor). On SM80/86, ptxas' default
+    budget for the 16-head split kernel with several splits is 32 registers and 17 KB of spills per thread
+    (compile.py --arch sm_80); an explicit limit of 255 makes it 255 registers and 1 KB."""
+    return {"maxnreg": 255} if cc < 89 else {}
+
+
 def device_smem_per_block(device) -> int | None:
     """Opt-in shared memory per block of a CUDA device (None for other devices)."""
     import torch

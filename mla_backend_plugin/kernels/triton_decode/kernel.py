@@ -12,12 +12,19 @@ Design (one CTA = one request x BLOCK_M query rows x one KV split):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for, device_smem_per_block
+from mla_backend_plugin.kernels.triton_decode.config import (
+    TritonDecodeConfig,
+    compiler_options,
+    config_for,
+    device_smem_per_block,
+)
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
 # fp8 operands are widened to the 16-bit dtype of the other operand before tl.dot (exact for e4m3).
@@ -170,6 +177,18 @@ def _mla_decode_combine_kernel(
     tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler_options_of(index: int) -> dict:
+    major, minor = torch.cuda.get_device_capability(index)
+    return compiler_options(10 * major + minor)
+
+
+def _compiler_options(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}  # the Triton interpreter (tests) runs on CPU tensors
+    return _compiler_options_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _scale_args(scale):
     """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
     if isinstance(scale, torch.Tensor):
@@ -207,7 +226,7 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk,
         Q_SCALE_IS_PTR=q_is_ptr, KV_SCALE_IS_PTR=kv_is_ptr,
         D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=_COMPUTE_DTYPE[args.compute_dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_compiler_options(args.q_nope.device),
     )
     if plan.num_splits > 1:
         launch_combine(args, workspace, plan, cfg.block_n)
