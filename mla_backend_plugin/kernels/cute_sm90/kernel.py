@@ -25,8 +25,6 @@ launch_dependents after the last store.
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -414,5 +412,3 @@ class Sm90MlaDecode:
 def softmax_scale_log2(softmax_scale: float) -> float:
     return float(softmax_scale) * LOG2E
 
-
-__all__ = ["Sm90MlaDecode", "softmax_scale_log2", "math"]
