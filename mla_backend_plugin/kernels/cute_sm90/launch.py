@@ -90,8 +90,8 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     options = ["--enable-tvm-ffi"]
     if arch:
         options.append(f"--gpu-arch {arch}")
-    if keep_dir:
-        options.append("--keep-ptx --keep-cubin")
+    if keep_dir:  # the DSL writes the PTX/cubin there (else into the working directory)
+        options.append(f"--keep-ptx --keep-cubin --dump-dir {keep_dir}")
     op = Sm90MlaDecode(variant, use_pdl=use_pdl)
     return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0),
