@@ -342,3 +342,20 @@ def capture_graph(run, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         run()
     torch.cuda.synchronize()
     return graph
+
+
+def select_kernel_for_test(name: str, namespace: dict, monkeypatch, device: str = "cuda") -> str:
+    """Body of a per-kernel parametrized fixture: skip when ``name`` cannot run here (or is filtered out by
+    ``MLA_TEST_KERNELS=a,b``), else make it the test module's ``KERNEL`` for this test."""
+    import os
+
+    import pytest
+
+    wanted = os.environ.get("MLA_TEST_KERNELS")
+    reason = f"MLA_TEST_KERNELS={wanted}" if wanted and name not in wanted.split(",") else \
+        kernel_unsupported_reason(name, device)
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    monkeypatch.setitem(namespace, "KERNEL", name)
+    return name
+

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 import torch
-from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, kernel_unsupported_reason,
-                           make_decode_inputs)
+from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, make_decode_inputs,
+                           select_kernel_for_test)
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode
@@ -36,13 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(autouse=True, params=PDL_KERNELS)
 def kernel(request, monkeypatch):
-    reason = kernel_unsupported_reason(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param}: {reason}")
-    monkeypatch.setitem(globals(), "KERNEL", request.param)
     monkeypatch.delenv("CUTE_MLA_KERNEL", raising=False)
     monkeypatch.setenv("CUTE_MLA_SELF_CHECK", "never")
-    return request.param
+    return select_kernel_for_test(request.param, globals(), monkeypatch)
 
 
 def _run(inp, ws, as_tensor=False):

@@ -29,13 +29,12 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-import os
 
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
-from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, kernel_unsupported_reason,
-                           make_decode_inputs)
+from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, make_decode_inputs,
+                           select_kernel_for_test)
 
 pytestmark = pytest.mark.gpu
 
@@ -57,20 +56,9 @@ def _no_kernel_env(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV_VAR, raising=False)
 
 
-def _kernel_cannot_run(name: str) -> str | None:
-    wanted = os.environ.get("MLA_TEST_KERNELS")
-    if wanted and name not in wanted.split(","):
-        return f"MLA_TEST_KERNELS={wanted}"
-    return kernel_unsupported_reason(name, DEVICE)
-
-
 @pytest.fixture(autouse=True, params=GPU_KERNELS)
 def kernel_under_test(request, monkeypatch):
-    reason = _kernel_cannot_run(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param}: {reason}")
-    monkeypatch.setitem(globals(), "KERNEL", request.param)
-    return request.param
+    return select_kernel_for_test(request.param, globals(), monkeypatch, DEVICE)
 
 
 def _seed(*parts) -> int:
