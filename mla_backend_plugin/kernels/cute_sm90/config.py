@@ -8,12 +8,15 @@ import dataclasses
 # tiles of 64 (the wgmma N of Q K^T and the K of P V).
 BLOCK_M = 64
 BLOCK_N = 64
-KV_STAGES = 2  # 2 x 72 KB bf16 KV tiles + 72 KB of Q fill the 227 KB of shared memory
+KV_STAGES = 2  # 2 x 72 KB bf16 KV tiles + 72 KB of Q + 8 KB of P fill the 227 KB of shared memory
 # Warp groups: 0 = producer (TMA for 16-bit caches; load + fp8->16-bit conversion for fp8 caches),
 # 1 and 2 = consumers, each owning 256 of the 512 output columns.
 NUM_THREADS = 384
-# setmaxnreg budgets (sum x 128 threads <= 64K registers): consumers hold a 64x256 fp32 O slice (128 regs),
-# the 64x64 S tile (32) and P (16).
+# 64-column chunks of Q each consumer keeps in registers (16 registers per chunk) and feeds to Q K^T as a
+# register operand: each saves 8 KB of shared-memory reads per group and tile
+Q_REG_CHUNKS = 2
+# setmaxnreg budgets (sum x 128 threads <= 64K registers): consumers hold a 64x256 fp32 O slice (128 regs)
+# and their 64x32 half of the S tile (16).
 REGS_CONSUMER = 240
 REGS_PRODUCER_TMA = 24
 REGS_CONSUMER_FP8 = 224
@@ -49,6 +52,7 @@ def m_blocks(num_heads: int, q_len: int) -> int:
 
 
 def shared_bytes(variant: Variant | None = None) -> int:
-    """Dynamic shared memory of one CTA: mbarriers (padded to the 1 KB swizzle alignment), Q, the KV ring.
-    Every variant stages 16-bit tiles (fp8 caches are widened on the way in), so the size is the same."""
-    return 1024 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2
+    """Dynamic shared memory of one CTA: mbarriers and the two groups' exchanged row statistics (padded to the
+    1 KB swizzle alignment), P, Q, the KV ring. Every variant stages 16-bit tiles (fp8 caches are widened on
+    the way in), so the size is the same."""
+    return 2048 + BLOCK_M * BLOCK_N * 2 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2

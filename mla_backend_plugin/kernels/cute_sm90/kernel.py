@@ -38,6 +38,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_N,
     KV_STAGES,
     NUM_THREADS,
+    Q_REG_CHUNKS,
     REGS_CONSUMER,
     REGS_CONSUMER_FP8,
     REGS_PRODUCER_FP8,
@@ -82,12 +83,20 @@ class Sm90MlaDecode:
         cd = self.cdtype
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
-        qk_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
-                                                   (BLOCK_M, BLOCK_N))
-        # two atoms along N: consumer group 1 owns output columns 0..255, group 2 owns 256..511
+        # two atoms along N in both products: for S = Q K^T consumer group 1 owns keys 0..31 of the tile and
+        # group 2 keys 32..63; for O += P V group 1 owns output columns 0..255 and group 2 columns 256..511
+        qk_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                   (BLOCK_M, BLOCK_N // 2))
+        # the same product with A (Q) from registers, for the last Q_REG_CHUNKS 64-column chunks of Q: an SS
+        # wgmma re-reads its 64x16 A slice from shared memory for every instruction, and shared-memory
+        # bandwidth, not the tensor cores, bounds this loop
+        qk_rs_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                      (BLOCK_M, BLOCK_N // 2), warpgroup.OperandSource.RMEM)
         pv_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, MN_MAJOR, cutlass.Float32, (1, 2, 1),
-                                                   (BLOCK_M, D_NOPE // 2), warpgroup.OperandSource.RMEM)
+                                                   (BLOCK_M, D_NOPE // 2))
         q_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 1)
+        # P (64 rows x 64 keys, 16-bit): each group writes its 32 key columns, both read all 64 as the A of P V
+        p_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), cd, 1)
         kv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd,
                                                   KV_STAGES)
         # V = the first 512 columns of the same tile, read MN-major: with the atoms tiled K-first this view
@@ -112,30 +121,37 @@ class Sm90MlaDecode:
         @cute.struct
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            # per-row partial softmax statistics exchanged between the two consumer groups
+            row_max_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            sP: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(p_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(kv_layout)], 1024]
 
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
-        self.kernel(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
+        self.kernel(qk_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
                     mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, min_chunk, q_layout,
-                    kv_layout, v_layout_one.inner, v_outer).launch(
-            grid=(mSeq.shape[0], m_blocks, num_splits), block=[NUM_THREADS, 1, 1], stream=stream,
+                    kv_layout, p_layout, v_layout_one.inner, v_outer).launch(
+            # the m-blocks of one request and split are adjacent in launch order, so they run at the same
+            # time and all but the first read the request's KV from L2: at 128 heads (2 m-blocks, 4 with
+            # q_len 2) this halves (quarters) HBM traffic against a batch-major order
+            grid=(m_blocks, mSeq.shape[0], num_splits), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
 
     # ------------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
+    def kernel(self, qk_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
                mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mOut: cute.Tensor,
                mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                mKVScale: cute.Tensor,
                q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
                num_splits: cutlass.Int32, min_chunk: cutlass.Int32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
+               kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
-        b, mblk, split = cute.arch.block_idx()
+        mblk, b, split = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
 
@@ -143,6 +159,9 @@ class Sm90MlaDecode:
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
 
         if cutlass.const_expr(self.fp8_kv):
@@ -157,7 +176,7 @@ class Sm90MlaDecode:
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per warp
                 tx_count=self.tile_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True)
-        kv_producer, kv_consumer = kv_pipe.make_participants()
+        kv_producer, _ = kv_pipe.make_participants()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(not self.fp8_kv):
@@ -187,7 +206,7 @@ class Sm90MlaDecode:
                                          kv_end, n_tiles)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
-                self.consume(qk_mma, pv_mma, kv_consumer, sQ, sKV, sV, mQn, mQp, mBT, mOut, mLse, mPartO,
+                self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse, mPartO,
                              mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk,
                              split,
                              seq_len, kv_start, kv_end, n_tiles, tidx - 128)
@@ -255,13 +274,29 @@ class Sm90MlaDecode:
             handle.commit()
 
     @cute.jit
-    def consume(self, qk_mma, pv_mma, kv_consumer, sQ, sKV, sV, mQn, mQp, mBT, mOut, mLse, mPartO, mPartLse,
-                mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk, split, seq_len, kv_start, kv_end,
-                n_tiles, ctid):
+    def issue_qk(self, qk_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage):
+        """Issue (do not wait for) S = Q K^T of this group's 32 keys of the tile in ``stage``: the first k-steps
+        with Q from shared memory, the last ``Q_REG_CHUNKS`` chunks with Q from registers."""
+        k_steps = cute.size(tSrQ, mode=[2])
+        k_smem = k_steps - Q_REG_CHUNKS * 4
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(k_smem):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+        qk_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(k_smem, k_steps):
+            cute.gemm(qk_rs_mma, acc_s, tSrQreg[(None, None, k - k_smem)], tSrK[(None, None, k, stage)], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse, mPartO,
+                mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk, split, seq_len,
+                kv_start, kv_end, n_tiles, ctid):
         H = self.v.num_heads
         QL = self.v.q_len
         cd = self.cdtype
         rows = self.rows
+        grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
 
         # ---- Q -> shared memory (16-bit, swizzled), zero rows past q_len * H ----
         for i in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256, unroll=1):
@@ -291,19 +326,32 @@ class Sm90MlaDecode:
             kscale = mKVScale[0]
         scale_log2 = sm_scale_log2 * qscale * kscale
 
-        qk_thr = qk_mma.get_slice(ctid % 128)
+        qk_thr = qk_mma.get_slice(ctid)
         pv_thr = pv_mma.get_slice(ctid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        # the last Q_REG_CHUNKS chunks of Q as register A fragments (loaded once)
+        qk_rs_thr = qk_rs_mma.get_slice(ctid)
+        tSsQ_rs = qk_rs_thr.partition_A(sQ)
+        k_smem = cute.size(tSsQ_rs, mode=[2]) - Q_REG_CHUNKS * 4
+        # the 64x16 A operand of one k-step: 8 values per thread, ((2,2,2), 1) as wgmma numbers them
+        tSrQreg = cute.make_rmem_tensor(
+            cute.make_layout(((2, 2, 2), 1, Q_REG_CHUNKS * 4), stride=((1, 2, 4), 0, 8)), cd)
+        for k in cutlass.range_constexpr(Q_REG_CHUNKS * 4):
+            cute.autovec_copy(tSsQ_rs[(None, 0, k_smem + k, 0)], tSrQreg[(None, 0, k)])
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKV))
+        tOrP = pv_thr.make_fragment_A(pv_thr.partition_A(sP))
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
         acc_o.fill(0.0)
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
+        # this thread's (row, key) coordinates in the tile, and its elements of P in shared memory
         tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        tSsP = qk_thr.partition_C(sP[(None, None, 0)])
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
 
         # the two rows this thread holds (accumulator values v with (v >> 1) & 1 == half)
         row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # over this group's keys only
         row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
         for half in cutlass.range_constexpr(2):
             row_max[half] = -cutlass.Float32.inf
@@ -314,34 +362,43 @@ class Sm90MlaDecode:
             if r >= rows:
                 limit = 0
             row_limit[half] = limit
-
+        lane = ctid % 32
         n_s = cute.size(tScS)
         n_o = cute.size(acc_o)
+
+        # Both groups walk the tiles in step. With two 72 KB stages S_{j+1} cannot be issued before P_j V_j
+        # (its stage is the one P_{j-1} V_{j-1} reads until then), so the loop is: S_j, softmax, P_j V_j, and
+        # the producer fills the other stage meanwhile. What the groups share per tile: their partial row
+        # maxima (A) and the two halves of P_j in shared memory (C).
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         for j in cutlass.range(n_tiles, unroll=1):
-            handle = kv_consumer.wait_and_advance()
-            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, handle.index)], acc_s)
-            warpgroup.commit_group()
+            stage = read_state.index
+            kv_pipe.consumer_wait(read_state)
+            self.issue_qk(qk_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage)
             warpgroup.wait_group(0)
 
             tile_start = kv_start + j * BLOCK_N
-            m_new = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             for half in cutlass.range_constexpr(2):
-                m_new[half] = row_max[half]
+                m_loc[half] = row_max[half]
             for v in cutlass.range_constexpr(n_s):
                 half = (v >> 1) & 1
                 s = acc_s[v] * scale_log2
                 if tile_start + tScS[v][1] >= row_limit[half]:
                     s = -cutlass.Float32.inf
                 acc_s[v] = s
-                m_new[half] = cute.arch.fmax(m_new[half], s)
+                m_loc[half] = cute.arch.fmax(m_loc[half], s)
+            for half in cutlass.range_constexpr(2):
+                m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
+                if lane % 4 == 0:
+                    sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
+            # (A) both groups' row maxima are posted; both groups also finished P_{j-1} V_{j-1} (waited
+            # below before they got here), so P_j may overwrite P_{j-1}
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
             alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             for half in cutlass.range_constexpr(2):
-                m = cute.arch.warp_reduction_max(m_new[half], threads_in_group=4)
+                m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
                 mu = m
                 if m == -cutlass.Float32.inf:
                     mu = 0.0  # a row that has seen no key yet: keep its (zero) state
@@ -349,32 +406,44 @@ class Sm90MlaDecode:
                 alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
                 row_max[half] = m
                 row_sum[half] = row_sum[half] * alpha[half]
+            r_p = cute.make_rmem_tensor(acc_s.layout, cd)
             for v in cutlass.range_constexpr(n_s):
                 half = (v >> 1) & 1
                 p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
-                acc_s[v] = p
                 row_sum[half] = row_sum[half] + p
-            for v in cutlass.range_constexpr(n_o):
-                acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+                r_p[v] = p.to(cd)
+            cute.autovec_copy(r_p, tSsP)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            # once the running maxima settle (most tiles of a long sequence) alpha is exactly 1 for every row
+            # of the warp: skip the 128 multiplies
+            if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
+                for v in cutlass.range_constexpr(n_o):
+                    acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
 
-            # P as the register A operand of P V: S columns [16k, 16k+16) are exactly k-block k of A
-            r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, BLOCK_N // 16),
-                                                         stride=((1, 2, 4), 0, 8)), cd)
-            r_p_as_s = cute.make_tensor(r_p.iterator, acc_s.layout)
-            r_p_as_s.store(acc_s.load().to(cd))
             warpgroup.fence()
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             for k in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(pv_mma, acc_o, r_p[(None, None, k)], tOrV[(None, None, k, handle.index)], acc_o)
+                cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            handle.release()
+            kv_pipe.consumer_release(read_state)
+            read_state.advance()
+
+        # each group summed its own 32 keys of every tile: add the other group's half
+        for half in cutlass.range_constexpr(2):
+            row_sum[half] = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
+            if lane % 4 == 0:
+                sSumX[grp * BLOCK_M + tScS[2 * half][0]] = row_sum[half]
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        for half in cutlass.range_constexpr(2):
+            row_sum[half] = row_sum[half] + sSumX[(1 - grp) * BLOCK_M + tScS[2 * half][0]]
 
         # ---- epilogue ----
         inv = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         lse2 = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
-            total = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
+            total = row_sum[half]
             i_v = 0.0
             l_v = -cutlass.Float32.inf
             if total > 0.0:
@@ -382,7 +451,6 @@ class Sm90MlaDecode:
                 l_v = row_max[half] + cute.math.log2(total, fastmath=False)
             inv[half] = i_v
             lse2[half] = l_v
-        lane = ctid % 32
         if num_splits == 1:
             for v in cutlass.range_constexpr(n_o):
                 half = (v >> 1) & 1
