@@ -4,6 +4,7 @@
     python benchmarks/bench_decode.py --quick           # a subset (< 2 minutes on an H100)
     python benchmarks/bench_decode.py --with-flashinfer # + FlashInfer (JIT-compiles with nvcc first)
     python benchmarks/bench_decode.py --dry-run         # grid, kernels and peers with reasons; no GPU needed
+    python benchmarks/bench_decode.py --ragged one-long # ragged batches: one request of S, the rest short
 
 Per cell (batch B, KV length S, q_len, KV dtype): inputs are built once and shared by every kernel; each
 kernel's output is checked against the package's float32 reference (a wrong kernel is reported, not timed);
@@ -54,6 +55,28 @@ H100_L2_BYTES = 50 * 2**20  # for --dry-run without a GPU
 # the kernels (FA3 alone keeps 32 under CUDA graphs), outputs and the float32 reference; plus a fixed margin.
 SCRATCH_FP32_ROWS_PER_QUERY_ROW = 64
 CELL_MEMORY_MARGIN_BYTES = 2 * 2**30
+
+
+RAGGED_KINDS = ("none", "one-long", "long-tail")
+
+
+def ragged_seq_lens(kind: str, batch: int, max_len: int, short: int, seed: int) -> list[int]:
+    """Per-request KV lengths of a ragged cell whose longest request has ``max_len`` (the cell's S).
+
+    one-long: request 0 has max_len, the others min(short, max_len) (e.g. one 32k request among 1k ones);
+    long-tail: request 0 has max_len, the others log-normal with median max_len / 16 (sigma 1.2), clipped to
+    [1, max_len], the same for a given seed.
+    """
+    import random
+
+    if kind == "one-long":
+        return [max_len] + [min(short, max_len)] * (batch - 1)
+    if kind == "long-tail":
+        rng = random.Random(seed * 1_000_003 + batch * 7919 + max_len)
+        median = max(1.0, max_len / 16)
+        return [max_len] + [min(max_len, max(1, int(rng.lognormvariate(math.log(median), 1.2))))
+                            for _ in range(batch - 1)]
+    raise ValueError(f"unknown ragged kind {kind!r}")
 
 
 class FatalCudaError(RuntimeError):
@@ -292,6 +315,11 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
     try:
         if active:
             inputs = make_inputs(cell, ctx.device, copies, args.softmax_scale, args.seed)
+            if args.ragged != "none":
+                # The cache and block table cover S for every request; the lengths shrink below it in place,
+                # before any runner plans (peers that take a max length get S, an upper bound).
+                lens = ragged_seq_lens(args.ragged, cell.batch, cell.seq_len, args.ragged_short, args.seed)
+                inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
             # A CUDA graph does not keep the tensors it reads alive: each runner's prepared call (its planning
             # metadata, output and scratch buffers) must outlive its graph, or the next runner's allocations
             # reuse that memory and the replay reads freed memory.
@@ -385,6 +413,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     grid.add_argument("--kv-dtypes", type=_name_list, help="KV-cache dtypes: bf16, fp8")
     grid.add_argument("--num-heads", type=int, default=128, help="query heads per rank (default: %(default)s)")
     grid.add_argument("--block-size", type=int, default=64, help="KV-cache page size (default: %(default)s)")
+    grid.add_argument("--ragged", choices=RAGGED_KINDS, default="none",
+                      help="ragged batches: request 0 has S, the others --ragged-short tokens (one-long) or "
+                           "log-normal lengths with median S/16 (long-tail). Compare time_us only: bytes, "
+                           "FLOPs and %% of floor still assume every request has S (default: %(default)s)")
+    grid.add_argument("--ragged-short", type=int, default=1024,
+                      help="the short requests' length with --ragged one-long (default: %(default)s)")
     grid.add_argument("--softmax-scale", type=float, default=peers.DEFAULT_SOFTMAX_SCALE,
                       help="default: 1/sqrt(128 + 64), DeepSeek's head dim before absorption")
     timing = parser.add_argument_group("timing")
@@ -486,6 +520,12 @@ def dry_run(args, cells: list[Cell], runners: list) -> None:
     print(f"grid '{args.grid_name}': {len(cells)} cells = B {list(args.batches)} x S {list(args.seq_lens)} x "
           f"q_len {list(args.q_lens)} x KV {list(args.kv_dtypes)}; {args.num_heads} heads, block size "
           f"{args.block_size}; ~{args.time_per_kernel} s of replays per kernel and cell")
+    if args.ragged != "none":
+        for b in sorted(set(args.batches)):
+            for seq in sorted(set(args.seq_lens)):
+                lens = ragged_seq_lens(args.ragged, b, seq, args.ragged_short, args.seed)
+                print(f"  ragged {args.ragged} B={b} S={seq}: total {sum(lens)} tokens, min {min(lens)}, "
+                      f"median {sorted(lens)[len(lens) // 2]}, max {max(lens)}")
     print("\nkernels:")
     for runner in runners:
         ok, reason = runner.available()
@@ -618,7 +658,9 @@ def main(argv=None) -> int:
                 command=" ".join(["python"] + (sys.argv if argv is None else [sys.argv[0], *argv])),
                 grid=f"{args.grid_name}: B {list(args.batches)} x S {list(args.seq_lens)} x q_len "
                      f"{list(args.q_lens)} x KV {list(args.kv_dtypes)}, {args.num_heads} heads, block "
-                     f"{args.block_size}",
+                     f"{args.block_size}" + ("" if args.ragged == "none" else
+                                             f", ragged {args.ragged} (short {args.ragged_short}; metrics "
+                                             f"other than time assume S for every request)"),
                 versions=_versions(), unavailable=unavailable,
                 timing=dict(time_per_kernel_s=args.time_per_kernel, min_replays=args.min_replays,
                             max_replays=args.max_replays, min_calls_per_graph=args.min_calls_per_graph,

@@ -164,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="target architecture")
     parser.add_argument("--kernels", default="all", help="comma-separated kernel families, or all "
                         f"(families: {', '.join(FAMILIES)})")
+    parser.add_argument("--export-dir", metavar="DIR", help="export the cute_sm90 variants as prebuilt TVM-FFI "
+                        "libraries into DIR (a relocatable cache: copy it to a GPU host and point "
+                        "CUTE_MLA_CUTE_CACHE at it; it needs no nvidia-cutlass-dsl there)")
     args = parser.parse_args(argv)
+    if args.export_dir:  # read by kernels/cute_sm90/aot.py, here and in the build's worker processes
+        os.environ["CUTE_MLA_CUTE_CACHE"] = os.path.abspath(args.export_dir)
     families = list(FAMILIES) if args.kernels == "all" else args.kernels.split(",")
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:

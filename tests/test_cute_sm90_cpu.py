@@ -1,9 +1,18 @@
 """CPU tests of the CuTe-DSL SM90 kernel's host side: support checks, variant keys, the shared-memory budget,
-and one real sm_90a compile (no GPU needed) whose SASS must hold wgmma and TMA and no spills."""
+one real sm_90a compile (no GPU needed) whose SASS must hold wgmma and TMA and no spills, and the on-disk
+cache of prebuilt (exported) variants: relocatable, loadable where the DSL is absent, invalidated by what
+changes the binary or breaks loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -45,16 +54,6 @@ def test_shared_memory_fits_one_cta_per_sm():
     assert config.m_blocks(128, 4) == 8 and config.m_blocks(16, 3) == 1
 
 
-@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
-def test_compiles_for_sm90a_without_gpu():
-    from mla_backend_plugin.kernels.cute_sm90.build import compile_variants
-
-    variant = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False)
-    (result,) = compile_variants("sm_90a", [variant], jobs=1)
-    assert result.ok, result.error
-    assert result.spill_bytes == 0 and result.registers and result.shared_bytes == config.shared_bytes()
-
-
 def test_rejects_other_archs_at_build_time():
     from mla_backend_plugin.kernels.cute_sm90.build import compile_variants
 
@@ -62,45 +61,275 @@ def test_rejects_other_archs_at_build_time():
         compile_variants("sm_100a", [])
 
 
-# ---- on-disk cache of exported variants (aot.py) ----
+# ---- one real sm_90a compile, exported into a cache directory as `compile --export-dir` does ----
+
+CACHED = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False)  # what _args(block_size=16) calls
+dsl_only = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 
 
-def test_cache_is_opt_in_and_keyed_by_what_changes_the_binary(monkeypatch, tmp_path):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(build result, cache root) of CACHED compiled for sm_90a and exported by `python -m
+    mla_backend_plugin.compile --arch sm_90a --kernels cute_sm90 --export-dir DIR`, cut down to that one variant
+    (one ~8 s compile per module)."""
+    if not HAS_DSL:
+        pytest.skip("nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+    from mla_backend_plugin import compile as compile_cli
+    from mla_backend_plugin.kernels.cute_sm90 import aot, build
 
-    monkeypatch.delenv(aot.CACHE_ENV_VAR, raising=False)
-    assert aot.cache_root() is None and aot.library_path(config.Variant("bf16", "bf16", "bf16", 128, 1, 64,
-                                                                        False, False), True, "sm_90a") is None
-    monkeypatch.setenv(aot.CACHE_ENV_VAR, "1")
-    assert aot.cache_root().endswith("cute_sm90")
-    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
-    v = config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False)
-    keys = {aot.cache_key(v, True, "sm_90a"), aot.cache_key(v, False, "sm_90a"),
-            aot.cache_key(config.Variant("bf16", "bf16", "bf16", 128, 2, 64, False, False), True, "sm_90a")}
-    assert len(keys) == 3 and aot.cache_key(v, True, "sm_90a") == aot.cache_key(v, True, "sm_90a")
-    assert aot.library_path(v, True, "sm_90a").startswith(str(tmp_path))
+    root = tmp_path_factory.mktemp("cute_cache") / "built-here"
+    results = []
+    real = build.compile_variants
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(aot.CACHE_ENV_VAR, "restored-after-the-build")  # --export-dir sets it for the build
+        mp.setattr(build, "serving_variants", lambda: [CACHED])
+        mp.setattr(build, "compile_variants", lambda *a, **k: results.extend(real(*a, **k)) or results)
+        rc = compile_cli.main(["--arch", "sm_90a", "--kernels", "cute_sm90", "--export-dir", str(root)])
+    assert rc == 0 and len(results) == 1, results
+    return results[0], root
 
 
-@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
-def test_exported_variant_loads_without_compiling(monkeypatch, tmp_path):
-    """compile -> export to the cache -> a later lookup loads the library and never calls the compiler."""
+@pytest.fixture(autouse=True)
+def _fresh_memo():
     from mla_backend_plugin.kernels.cute_sm90 import aot, launch
 
-    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
-    v = config.Variant("fp8", "bf16", "bf16", 16, 3, 16, False, True)
-    compiled = launch.compile_variant(v, True, arch="sm_90a")
-    path = aot.export(compiled, v, True, "sm_90a")
-    assert path.startswith(str(tmp_path)) and path.endswith(".so")
+    for f in (launch._compiled, launch._dsl_missing, aot._prebuilt_cached):
+        f.cache_clear()
+    yield
+    for f in (launch._compiled, launch._dsl_missing, aot._prebuilt_cached):
+        f.cache_clear()
+
+
+@dsl_only
+def test_compiles_for_sm90a_without_gpu(exported):
+    result, _ = exported
+    assert result.ok, result.error
+    assert result.spill_bytes == 0 and result.registers and result.shared_bytes == config.shared_bytes()
+
+
+@dsl_only
+def test_export_writes_a_self_contained_entry(exported):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    _, root = exported
+    entry = aot.entry_dir(CACHED, True, "sm_90a", str(root))
+    with open(os.path.join(entry, aot.META_NAME)) as f:
+        meta = json.load(f)
+    assert meta["variant"] == dataclasses.asdict(CACHED) and meta["use_pdl"] and meta["arch"] == "sm_90a"
+    assert meta["source_sha256"] == aot.source_hash()
+    assert meta[aot.DSL_DIST] == aot.installed_version(aot.DSL_DIST)
+    assert meta[aot.TVM_FFI_DIST] == aot.installed_version(aot.TVM_FFI_DIST)
+    runtime = os.path.normpath(os.path.join(entry, meta["runtime"]))
+    assert runtime.startswith(str(root)) and os.path.isfile(runtime)
+    dyn = subprocess.run(["readelf", "-d", os.path.join(entry, aot.LIBRARY_NAME)], check=False,
+                         capture_output=True, text=True).stdout if shutil.which("readelf") else ""
+    if dyn:  # sonames only, found through $ORIGIN: nothing points back into this machine's venv
+        assert "$ORIGIN/../lib/cute-dsl-" in dyn and "[libtvm_ffi.so]" in dyn and "[libcute_dsl_runtime.so]" in dyn
+        assert "site-packages" not in dyn and str(root) not in dyn
+
+
+@dsl_only
+def test_exported_variant_loads_without_compiling(exported, monkeypatch):
+    """A later lookup loads the library and never calls the compiler."""
+    import tvm_ffi
+
+    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
+
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(exported[1]))
 
     def no_compile(*a, **k):
         raise AssertionError("compiled although the cache holds the variant")
 
     monkeypatch.setattr(launch, "compile_variant", no_compile)
-    launch._compiled.cache_clear()
-    try:
-        fn = launch._compiled(v, True)
-    finally:
-        launch._compiled.cache_clear()
-    import tvm_ffi
+    assert isinstance(launch._compiled(CACHED, True), tvm_ffi.Function)
 
-    assert isinstance(fn, tvm_ffi.Function)
+
+_NO_DSL = textwrap.dedent("""
+    import importlib.util, json, sys
+
+    # this host "has no DSL": nvidia-cutlass-dsl's .pth put its packages on sys.path; take them off (a finder
+    # that raises from find_spec would also break torch, which probes for cutlass at import)
+    sys.path[:] = [p for p in sys.path if "dsl_packages" not in p]
+    assert importlib.util.find_spec("cutlass") is None
+    import torch
+    from mla_backend_plugin.kernels.cute_sm90 import aot, config, launch
+    from mla_backend_plugin.ops import prepare_args
+
+    def args(q_len, block_size):
+        q = torch.zeros(2 * q_len, 128, 576, dtype=torch.bfloat16)
+        kv = torch.zeros(4, block_size, 576, dtype=torch.bfloat16)
+        return prepare_args(q, kv, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                            softmax_scale=0.1)
+
+    v = config.Variant(*json.loads(sys.argv[1]))
+    out = dict(missing=launch._dsl_missing(), key=aot.cache_key(v, True, "sm_90a"),
+               reason=launch.unsupported_reason(args(2, 16), (9, 0)),
+               other=launch.unsupported_reason(args(1, 64), (9, 0)))
+    fn = launch._compiled(v, True)
+    out["fn"] = type(fn).__module__ + "." + type(fn).__name__
+    out["cutlass"] = sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")
+    try:
+        import cutlass  # noqa: F401
+        out["cutlass"].append("import cutlass worked")
+    except ImportError:
+        pass
+    try:
+        launch.launch(args(2, 16), None)  # on CPU it cannot get far; what matters is that it imports
+    except Exception as e:
+        out["launch_error"] = repr(e)
+    out["runtime"] = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcute_dsl_runtime" in line})
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def no_dsl_run(exported, tmp_path_factory):
+    """(RESULT dict of _NO_DSL, where the cache was moved to): the exported cache moved elsewhere, then read by
+    a process where cutlass is not importable."""
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    _, root = exported
+    moved = tmp_path_factory.mktemp("elsewhere") / "cache"
+    shutil.move(str(root), str(moved))
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "CUTE_MLA_PDL")}
+        env[aot.CACHE_ENV_VAR] = str(moved)
+        proc = subprocess.run([sys.executable, "-c", _NO_DSL, json.dumps(dataclasses.astuple(CACHED))],
+                              check=False, capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        shutil.move(str(moved), str(root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1]), str(moved)
+
+
+@dsl_only
+def test_moved_cache_loads_where_the_dsl_is_absent(no_dsl_run):
+    """Build here, move the directory, and load through the package's own loader in a process where cutlass is
+    not importable: the key is the same, the variant is supported, and the runtime comes from the moved copy."""
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    out, moved = no_dsl_run
+    assert out["missing"] and "cutlass" in out["missing"] and out["cutlass"] == []
+    assert out["key"] == aot.cache_key(CACHED, True, "sm_90a")  # the DSL's absence does not change the key
+    assert out["reason"] is None, out["reason"]
+    assert out["other"] and "not prebuilt" in out["other"] and "--export-dir" in out["other"]
+    assert out["fn"] == "tvm_ffi.core.Function"
+    assert out["runtime"] and all(p.startswith(moved) for p in out["runtime"]), out["runtime"]
+
+
+@dsl_only
+def test_launch_needs_no_cutlass_import(no_dsl_run):
+    """launch() gets past its imports (it then stops at the missing workspace, on CPU) without the DSL."""
+    error = no_dsl_run[0]["launch_error"]
+    assert "cutlass" not in error and "ModuleNotFoundError" not in error, error
+
+
+# ---- cache keys and invalidation (no compile: entries are copies of the exported one, metadata edited) ----
+
+
+def test_cache_location_from_the_environment(monkeypatch, tmp_path):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    monkeypatch.delenv(aot.CACHE_ENV_VAR, raising=False)
+    assert aot.cache_root() == (aot.default_root() if aot.DEFAULT_ON else None)
+    assert aot.default_root().endswith(os.path.join("mla_backend_plugin", "cute_sm90"))
+    for off in ("0", "off"):
+        monkeypatch.setenv(aot.CACHE_ENV_VAR, off)
+        assert aot.cache_root() is None and aot.library_path(CACHED, True, "sm_90a") is None
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, "1")
+    assert aot.cache_root() == aot.default_root()
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
+    assert aot.library_path(CACHED, True, "sm_90a").startswith(str(tmp_path))
+
+
+def test_key_covers_the_binary_and_not_the_host(monkeypatch):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    key = aot.cache_key(CACHED, True, "sm_90a")
+    others = {aot.cache_key(CACHED, False, "sm_90a"), aot.cache_key(CACHED, True, "sm_90"),
+              aot.cache_key(dataclasses.replace(CACHED, q_len=3), True, "sm_90a"),
+              aot.cache_key(dataclasses.replace(CACHED, kv_scale_is_ptr=True), True, "sm_90a")}
+    assert key not in others and len(others) == 4 and key == aot.cache_key(CACHED, True, "sm_90a")
+    monkeypatch.setattr(aot, "installed_version", lambda dist: None)
+    monkeypatch.setattr(aot, "dsl_importable", lambda: False)
+    assert aot.cache_key(CACHED, True, "sm_90a") == key  # the loading host's packages are not in the key
+    monkeypatch.setattr(aot, "source_hash", lambda: "0" * 64)  # a kernel edit is
+    assert aot.cache_key(CACHED, True, "sm_90a") != key
+
+
+def _entry_copy(exported, tmp_path, **meta_changes):
+    """A cache root holding a copy of the exported entry (runtime library linked in), meta.json edited."""
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    src = exported[1]
+    root = tmp_path / "cache"
+    entry = aot.entry_dir(CACHED, True, "sm_90a", str(root))
+    shutil.copytree(aot.entry_dir(CACHED, True, "sm_90a", str(src)), entry)
+    os.symlink(src / "lib", root / "lib")
+    meta_path = os.path.join(entry, aot.META_NAME)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta.update(meta_changes)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return str(root), entry
+
+
+@dsl_only
+def test_with_the_dsl_another_toolchain_version_is_stale(exported, tmp_path, monkeypatch):
+    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
+
+    root, _ = _entry_copy(exported, tmp_path, **{aot.DSL_DIST: "4.0.0"})
+    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    assert path is None and "stale" in why and "4.0.0" in why
+    root2, _ = _entry_copy(exported, tmp_path / "b", **{aot.TVM_FFI_DIST: "0.1.0"})
+    assert aot.check_entry(CACHED, True, "sm_90a", root2)[0] is None
+    # _compiled rebuilds a stale entry and exports over it
+    calls = []
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, root)
+    monkeypatch.setattr(launch, "compile_variant", lambda v, pdl, arch=None: calls.append("compile") or "jit")
+    monkeypatch.setattr(aot, "export", lambda c, v, pdl, arch: calls.append(("export", c)))
+    assert launch._compiled(CACHED, True) == "jit" and calls == ["compile", ("export", "jit")]
+
+
+@dsl_only
+def test_without_the_dsl_a_compatible_tvm_ffi_is_enough(exported, tmp_path, monkeypatch):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    monkeypatch.setattr(aot, "dsl_importable", lambda: False)
+    tvm = aot.installed_version(aot.TVM_FFI_DIST)
+    series = ".".join(tvm.split(".")[:2])
+    root, entry = _entry_copy(exported, tmp_path, **{aot.DSL_DIST: "4.0.0", aot.TVM_FFI_DIST: series + ".0"})
+    assert aot.check_entry(CACHED, True, "sm_90a", root) == (os.path.join(entry, aot.LIBRARY_NAME), "")
+    root, _ = _entry_copy(exported, tmp_path / "b", **{aot.TVM_FFI_DIST: "9.9.0"})
+    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    assert path is None and "apache-tvm-ffi==9.9.0" in why
+    real = aot.installed_version
+    monkeypatch.setattr(aot, "installed_version", lambda d: None if d == aot.TVM_FFI_DIST else real(d))
+    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    assert path is None and "apache-tvm-ffi is not installed" in why
+
+
+@dsl_only
+def test_entries_that_do_not_match_or_lack_the_runtime_are_refused(exported, tmp_path):
+    from mla_backend_plugin.kernels.cute_sm90 import aot
+
+    root, _ = _entry_copy(exported, tmp_path, variant=dataclasses.asdict(dataclasses.replace(CACHED, q_len=1)))
+    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    assert path is None and "variant" in why
+    root, _ = _entry_copy(exported, tmp_path / "b", runtime="../lib/nowhere/libcute_dsl_runtime.so")
+    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    assert path is None and "runtime library" in why
+
+
+def test_without_the_dsl_a_missing_prebuilt_says_what_to_do(monkeypatch, tmp_path):
+    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
+
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(launch, "_dsl_missing", lambda: "Python package 'cutlass' is not installed")
+    reason = unsupported_reason(_args(block_size=16), (9, 0))
+    assert "not prebuilt" in reason and "--export-dir" in reason and "pip install nvidia-cutlass-dsl" in reason
+    with pytest.raises(RuntimeError, match="no prebuilt library"):
+        launch._compiled(CACHED, True)
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, "0")
+    assert "cache is off" in unsupported_reason(_args(block_size=16), (9, 0))

@@ -205,6 +205,29 @@ def test_zero_dim_scale_tensors():
     assert_close_decode(out, lse, *inp.reference(), FP8, msg="0-d scales")
 
 
+@pytest.mark.parametrize("kv_dtype,bs", [(FP8, 64), (BF16, 16)], ids=["fp8-bs64", "bf16-bs16"])
+def test_cache_larger_than_2gib(kv_dtype, bs):
+    """Pages past the first 2 GiB of the cache (B=128 x 32k tokens of fp8 is 2.4 GB): a 32-bit page offset
+    wraps around and reads someone else's memory (an illegal address on the H100 before the fix)."""
+    seed = _seed("big-cache", str(kv_dtype), bs)
+    inp = make_decode_inputs(2, [700, 301], 2, 128, bs, kv_dtype, "pair", DEVICE, seed,
+                             kv_scale=2.0 if kv_dtype == FP8 else None)
+    small = inp.kv_cache
+    page_bytes = small[0].numel() * small.element_size()
+    n_big = (2**31 + 2**27) // page_bytes + small.shape[0]
+    big = torch.zeros((n_big,) + tuple(small.shape[1:]), dtype=small.dtype, device=DEVICE)
+    offset = n_big - small.shape[0]
+    big[offset:] = small  # every page the requests own lies past 2 GiB
+    table = inp.block_table.clone()
+    table[table < small.shape[0]] += offset  # garbage ids past each request's pages stay garbage
+    out, lse = inp.poisoned_outputs()
+    mla_decode(inp.q, big, table, inp.seq_lens, softmax_scale=inp.softmax_scale, out=out, lse=lse,
+               kernel=KERNEL, **inp.scale_kwargs(False))
+    _sync()
+    assert_close_decode(out, lse, *inp.reference(), kv_dtype, msg="cache > 2 GiB")
+    del big
+
+
 @pytest.mark.parametrize("batch,seq,q_len,heads,bs,q_form,kv_dtype,q_scale,kv_scale,as_tensor", [
     pytest.param(32, 1000, 1, 128, 16, "pair", FP16, None, None, False, id="fp16q-fp16kv-B32"),
     pytest.param(1, 4096, 2, 128, 64, "cat", FP16, None, None, False, id="fp16q-cat-fp16kv-B1-S4096"),

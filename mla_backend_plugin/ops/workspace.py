@@ -4,11 +4,20 @@ A ``MLAWorkspace`` is made once per (device, max batch, max q_len, heads, dtypes
 device buffer a decode kernel needs (the split-KV partial outputs and their LSEs), sized for the worst case
 it was made for. Nothing is allocated per call, so a CUDA graph captured once replays safely.
 
-Split-KV planning is two-level so that it stays correct under graph replay:
-* on the host, ``num_splits(batch, q_len)`` fixes the grid from the batch size alone (vLLM captures one graph
-  per batch size, and the batch size is known at capture);
-* on the device, each request takes ``min(num_splits, cdiv(seq_len, min_chunk))`` of those splits, so a
-  short request does not pay for empty splits and a captured graph adapts when seq_lens change.
+Split-KV planning is two-level so that it stays correct under graph replay: the host fixes the grid from
+shapes alone (vLLM captures one graph per batch size), the device decides from seq_lens. Two device plans exist:
+
+* the uniform plan (``balanced=False``; cute_sm90 and xqa_sm120 until they are ported): the host's
+  ``num_splits(batch, q_len)`` is the grid's z size, 1 once the batch fills the GPU, and each request takes
+  ``min(num_splits, cdiv(seq_len, min_chunk))`` of those splits (``uniform_request_splits``);
+* the balanced plan (``balanced=True``; the Triton kernel): the grid enumerates work items, every CTA reads all
+  seq_lens and derives the same schedule, which gives each request a number of equal chunks proportional to
+  its share of the batch's KV tiles, so one long request in a batch of short ones is split even at large
+  batch sizes while a uniform batch that fills the GPU is not split at all (``balanced_schedule`` documents
+  the exact integer formula every kernel must reproduce).
+
+``makespan`` / ``plan_cta_costs`` model the split kernel's step time on ``num_sms`` SMs (tests and
+benchmarks/NOTES.md use them to compare the plans).
 """
 
 from __future__ import annotations
@@ -37,18 +46,174 @@ MIN_CHUNK_TOKENS = 128
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
     rows_per_cta: int  # query rows (q_len * heads are folded into M) one CTA of the split kernel owns
-    num_splits: int  # grid size along the KV sequence, fixed per batch size
-    min_chunk: int  # tokens; the device-side split count per request is cdiv(seq_len, min_chunk), capped
+    num_splits: int  # uniform: grid z, fixed per batch size; balanced: the cap on splits per request
+    min_chunk: int  # tokens; the smallest chunk a request is split into
+    # --- balanced plan only (balanced=False leaves the defaults) ---
+    balanced: bool = False
+    work_target: int = 0  # W: work items per m-block the device plan aims at (~ one wave of the GPU)
+    grid_items: int = 0  # G: the split kernel's grid is (m_blocks, G); items past the schedule's end exit
+    max_split_requests: int = 0  # J_max: most requests that can be split; the combine's grid is (.., J_max)
+    max_slots: int = 0  # most partial slots (one per split item): partial rows needed = max_slots * q_len * H
+    combine_rows: int = 1  # query rows one combine CTA merges (power of 2)
+
+    @property
+    def has_combine(self) -> bool:
+        return self.max_split_requests > 0 if self.balanced else self.num_splits > 1
 
 
 def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_sms: int,
-                max_splits: int = MAX_SPLITS, min_chunk: int = MIN_CHUNK_TOKENS) -> SplitPlan:
-    """Host half of split planning: depends only on shapes known at graph-capture time."""
+                max_splits: int = MAX_SPLITS, min_chunk: int = MIN_CHUNK_TOKENS,
+                balanced: bool = False) -> SplitPlan:
+    """Host half of split planning: depends only on shapes known at graph-capture time.
+
+    Uniform (default): ``num_splits`` is the grid's z size, 1 once ``batch * m_blocks`` CTAs fill the GPU.
+
+    Balanced: W = cdiv(TARGET_CTAS_PER_SM * num_sms, m_blocks) work items per m-block (one wave), grid
+    (m_blocks, G) with G = min(batch + W - 1, batch * max_splits) items, which bounds the schedule of
+    ``balanced_schedule`` for every seq_lens: sum_b cdiv(tiles_b, p) < T / p + batch <= W + batch. So at most
+    W - 1 CTAs per m-block exit at once (about one per SM, whatever the batch) - the trade-off against a
+    (batch, m_blocks, Z) grid, whose batch * m_blocks * (Z - 1) empty CTAs would cost 5-25% at large batches of
+    short requests (benchmarks/NOTES.md). Split requests each have tiles_b > p >= T / W, so there are at most
+    J_max = min(batch, W - 1) of them (J of them), and their items (the partial slots) number
+    NS <= sum_split (tiles_b + p - 1) / p <= (T - (batch - J) + J (p - 1)) / p <= W + J - batch / p < W + J,
+    so max_slots = min(W + J_max - 1, batch * max_splits): no more than the uniform plan's worst case.
+    """
     m_blocks = -(-(q_len * num_heads) // rows_per_cta)
     ctas = batch * m_blocks
     want = TARGET_CTAS_PER_SM * num_sms
-    splits = 1 if ctas >= want else min(max_splits, -(-want // ctas))
-    return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, splits), min_chunk=min_chunk)
+    if not balanced:
+        splits = 1 if ctas >= want else min(max_splits, -(-want // ctas))
+        return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, splits), min_chunk=min_chunk)
+    work = max(1, -(-want // m_blocks))
+    j_max = 0 if max_splits <= 1 else min(batch, work - 1)
+    slots = 0 if j_max == 0 else min(work + j_max - 1, batch * max_splits)
+    items = batch if j_max == 0 else min(batch + work - 1, batch * max_splits)
+    rows = q_len * num_heads
+    # Enough combine CTAs for ~2 waves of small CTAs; when most of its CTAs exit at once (large batch, no long
+    # request), fewer, wider CTAs keep that cheap.
+    combine_rows = 1
+    while combine_rows < 16 and rows % (2 * combine_rows) == 0 and rows * j_max // (2 * combine_rows) >= 2 * num_sms:
+        combine_rows *= 2
+    return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, max_splits), min_chunk=min_chunk, balanced=True,
+                     work_target=work, grid_items=items, max_split_requests=j_max, max_slots=slots,
+                     combine_rows=combine_rows)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def uniform_request_splits(seq_len: int, num_splits: int, min_chunk: int, block_n: int) -> tuple[int, int]:
+    """(splits, chunk tokens) of one request under the uniform plan; reference of ``_request_splits``."""
+    n = min(max(_cdiv(seq_len, min_chunk), 1), num_splits)
+    chunk = max(_cdiv(_cdiv(seq_len, n), block_n), 1) * block_n
+    return max(min(n, _cdiv(seq_len, chunk)), 1), chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancedSchedule:
+    tiles: list[int]  # tiles_b
+    total_tiles: int  # T
+    per_work: int  # p
+    splits: list[int]  # n_b
+    chunk: list[int]  # chunk_b, tokens (a multiple of block_n)
+    slot_base: list[int]  # S_b: the first partial slot (= work item) of a split request; -1 for others
+    num_slots: int  # NS: items (and partial slots) of split requests
+    split_requests: list[int]  # b of every split request, in order (the combine's list)
+    items: list[tuple[int, int]]  # work item w -> (request, split), in order
+
+
+def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, max_splits: int) -> BalancedSchedule:
+    """The balanced device plan, the Python reference every kernel must agree with bit for bit.
+
+    All integer arithmetic, with cdiv(a, b) = (a + b - 1) // b, over the B entries of seq_lens::
+
+        tiles_b = max(cdiv(seq_len_b, BLOCK_N), 1)          # a padded request (seq_len 0) counts 1 tile
+        T       = sum_b tiles_b
+        p       = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(T, W))  # tiles per work item; W = plan.work_target
+        n_b     = min(cdiv(tiles_b, p), NUM_SPLITS)          # NUM_SPLITS = plan.num_splits (the cap)
+        ct_b    = cdiv(tiles_b, n_b);  n_b = cdiv(tiles_b, ct_b)   # equal chunks, no empty last one
+        chunk_b = ct_b * BLOCK_N                              # split s covers [s * chunk_b, min((s+1) chunk_b, len))
+
+    Request b is *split* iff n_b > 1. Work items (the grid's second axis, w = program id 1; the first axis is
+    the m-block so both halves of a request run side by side) come in this order: first every item of the
+    split requests, request by request in order of b (w = S_b + s, S_b = sum of n_b' over split b' < b), then
+    one item per unsplit request in order of b (w = NS + #unsplit b' < b, NS = sum of n_b over split b);
+    w >= NS + #unsplit exits at once. A split item stores its fp32 partial (O / l, log2 LSE) in slot w:
+    ``part = w * (q_len * H) + row``; an unsplit item writes the final output. The CTA (m_blk 0, split 0) of
+    the j-th split request writes ``index[1 + 3 j : 4 + 3 j] = (b, S_b, n_b)`` and the CTA (m_blk 0, w 0)
+    writes ``index[0] = J`` (the number of split requests), which is all the combine reads.
+    """
+    lens = [int(x) for x in seq_lens]
+    tiles = [max(_cdiv(x, block_n), 1) for x in lens]
+    total = sum(tiles)
+    p = max(_cdiv(min_chunk, block_n), _cdiv(total, work_target))
+    splits, chunk = [], []
+    for t in tiles:
+        n = min(_cdiv(t, p), max_splits)
+        ct = _cdiv(t, n)
+        splits.append(_cdiv(t, ct))
+        chunk.append(ct * block_n)
+    slot_base, items, split_requests, ns = [], [], [], 0
+    for b, n in enumerate(splits):
+        if n > 1:
+            slot_base.append(ns)
+            split_requests.append(b)
+            items.extend((b, s) for s in range(n))
+            ns += n
+        else:
+            slot_base.append(-1)
+    items.extend((b, 0) for b, n in enumerate(splits) if n == 1)
+    return BalancedSchedule(tiles=tiles, total_tiles=total, per_work=p, splits=splits, chunk=chunk,
+                            slot_base=slot_base, num_slots=ns, split_requests=split_requests, items=items)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Makespan model (CPU): how long the split kernel's step takes under a plan
+# --------------------------------------------------------------------------------------------------------
+
+def makespan(cta_costs, num_sms: int) -> float:
+    """Greedy list scheduling in launch order: each CTA goes to the SM that frees first (one resident CTA per
+    SM, as for the Triton and CuTe tiles); returns the time the last SM finishes."""
+    import heapq
+
+    free = [0.0] * num_sms
+    for cost in cta_costs:
+        heapq.heappush(free, heapq.heappop(free) + cost)
+    return max(free)
+
+
+def plan_cta_costs(plan: SplitPlan, seq_lens, q_len: int, num_heads: int, block_n: int,
+                   cta_overhead: float = 1.5, exit_cost: float = 0.15) -> list[float]:
+    """Cost of every CTA of the split kernel in launch order (x fastest), in units of one KV tile of block_n
+    keys: a working CTA costs ``cta_overhead`` (prologue, q load, epilogue) plus its tiles, a CTA that
+    exits at once ``exit_cost``."""
+    m_blocks = _cdiv(q_len * num_heads, plan.rows_per_cta)
+    costs: list[float] = []
+    if not plan.balanced:  # grid (B, m_blocks, Z)
+        per_request = [uniform_request_splits(int(x), plan.num_splits, plan.min_chunk, block_n) for x in seq_lens]
+        for z in range(plan.num_splits):
+            for _ in range(m_blocks):
+                for x, (n, chunk) in zip(seq_lens, per_request):
+                    tiles = _cdiv(max(min(chunk, int(x) - z * chunk), 0), block_n)
+                    costs.append(cta_overhead + tiles if z < n else exit_cost)
+        return costs
+    sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    for w in range(plan.grid_items):  # grid (m_blocks, G)
+        if w < len(sched.items):
+            b, s = sched.items[w]
+            chunk = sched.chunk[b]
+            tiles = _cdiv(max(min(chunk, int(seq_lens[b]) - s * chunk), 0), block_n)
+            costs.extend([cta_overhead + tiles] * m_blocks)
+        else:
+            costs.extend([exit_cost] * m_blocks)
+    return costs
+
+
+def ideal_makespan(seq_lens, q_len: int, num_heads: int, rows_per_cta: int, block_n: int, num_sms: int) -> float:
+    """Total KV tiles of the step (every m-block reads each tile) spread evenly over the SMs, no overhead."""
+    m_blocks = _cdiv(q_len * num_heads, rows_per_cta)
+    return m_blocks * sum(max(_cdiv(int(x), block_n), 1) for x in seq_lens) / num_sms
 
 
 class MLAWorkspace:
@@ -94,16 +259,28 @@ class MLAWorkspace:
             from mla_backend_plugin.kernels.triton_decode.config import device_smem_per_block, rows_per_cta_for
             rows_per_cta = rows_per_cta_for(num_heads, device_smem_per_block(self.device))
         self.rows_per_cta = int(rows_per_cta)
-        self._plans: dict[tuple[int, int], SplitPlan] = {}
-        # Worst case over every batch size and q_len this workspace serves: the planner splits less as
-        # the batch grows, so the product batch * splits peaks somewhere in the middle.
-        worst_rows = 0
+        self._plans: dict[tuple[int, int, bool], SplitPlan] = {}
+        # Worst case over every batch size, q_len and both plans this workspace serves: the uniform plan
+        # splits less as the batch grows, so batch * splits peaks somewhere in the middle; the balanced plan
+        # needs at most max_slots (< 2 W) slots of q_len * H rows whatever the batch.
+        worst_rows = worst_balanced = 0
+        worst_index = 1
         for q_len in range(1, self.max_q_len + 1):
             for batch in range(1, self.max_batch + 1):
                 plan = self.plan(batch, q_len)
                 if plan.num_splits > 1:
                     worst_rows = max(worst_rows, batch * q_len * num_heads * plan.num_splits)
+                bal = self.plan(batch, q_len, balanced=True)
+                worst_balanced = max(worst_balanced, bal.max_slots * q_len * num_heads)
+                worst_index = max(worst_index, 1 + 3 * bal.max_split_requests)
+        # partial rows the uniform plan needs (what cute_sm90 / xqa_sm120 check) and the balanced plan needs;
+        # the buffers hold the larger (the two differ by a few slots at most).
         self.partial_rows = worst_rows
+        self.partial_rows_balanced = worst_balanced
+        worst_rows = max(worst_rows, worst_balanced)
+        # The balanced plan's list of split requests, written by the split kernel for the combine:
+        # [J, (b, S_b, n_b) * J] (balanced_schedule).
+        self.split_index = torch.zeros(worst_index, dtype=torch.int32, device=self.device)
         # fp32 partial outputs and log2-domain LSEs of every (request, row, split); empty when no batch
         # size this workspace serves ever splits.
         self.partial_out = torch.empty(max(worst_rows, 1), KV_LORA_RANK, dtype=torch.float32, device=self.device)
@@ -123,12 +300,12 @@ class MLAWorkspace:
                              f"{self.out_buffer.shape[0]}")
         return self.out_buffer[:num_tokens], self.lse_buffer[:num_tokens]
 
-    def plan(self, batch: int, q_len: int) -> SplitPlan:
-        key = (batch, q_len)
+    def plan(self, batch: int, q_len: int, balanced: bool = False) -> SplitPlan:
+        key = (batch, q_len, balanced)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_splits(batch, q_len, self.num_heads, self.rows_per_cta, self.num_sms,
-                               self.max_splits, self.min_chunk)
+                               self.max_splits, self.min_chunk, balanced=balanced)
             self._plans[key] = plan
         return plan
 
@@ -146,6 +323,7 @@ class MLAWorkspace:
 
     @property
     def nbytes(self) -> int:
+        # the partial and output buffers (split_index, at most 1 + 3 * 64 int32, is left out)
         owned = [self.partial_out, self.partial_lse, self.out_buffer, self.lse_buffer]
         return sum(t.numel() * t.element_size() for t in owned if t is not None)
 

@@ -56,3 +56,12 @@ def shared_bytes(variant: Variant | None = None) -> int:
     1 KB swizzle alignment), P, Q, the KV ring. Every variant stages 16-bit tiles (fp8 caches are widened on
     the way in), so the size is the same."""
     return 2048 + BLOCK_M * BLOCK_N * 2 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2
+
+
+LOG2E = 1.4426950408889634
+
+
+def softmax_scale_log2(softmax_scale: float) -> float:
+    """The kernel's softmax runs in the log2 domain (here, not in kernel.py, so a host without the DSL can
+    launch a prebuilt kernel without importing cutlass)."""
+    return float(softmax_scale) * LOG2E

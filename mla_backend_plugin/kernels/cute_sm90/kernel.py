@@ -50,7 +50,6 @@ D_NOPE = 512
 D_ROPE = 64
 D_QK = D_NOPE + D_ROPE
 K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
@@ -476,7 +475,4 @@ class Sm90MlaDecode:
                     if r < rows:
                         mPartLse[(b * rows + r) * num_splits + split] = lse2[half]
 
-
-def softmax_scale_log2(softmax_scale: float) -> float:
-    return float(softmax_scale) * LOG2E
 

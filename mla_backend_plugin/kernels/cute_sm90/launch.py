@@ -26,13 +26,17 @@ def pdl_enabled() -> bool:
     return os.environ.get(PDL_ENV_VAR, "1").strip() not in ("0", "false", "off")
 
 
+@functools.cache
 def _dsl_missing() -> str | None:
-    for mod in ("cutlass", "tvm_ffi", "cuda.bindings"):
+    """None when the DSL can compile here; else what is missing (prebuilt libraries may still run)."""
+    for mod, dist in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"),
+                      ("cuda.bindings", "cuda-python")):
         try:
-            if importlib.util.find_spec(mod) is None:
-                return f"Python package {mod!r} is not installed (pip install 'nvidia-cutlass-dsl' apache-tvm-ffi)"
-        except ModuleNotFoundError:
-            return f"Python package {mod!r} is not installed"
+            if importlib.util.find_spec(mod) is not None:
+                continue
+        except (ImportError, ValueError):
+            pass
+        return f"Python package {mod!r} is not installed (pip install {dist})"
     return None
 
 
@@ -41,13 +45,18 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     if cc != (9, 0):
         return f"is built for sm_90a (H100/H200) only, device has compute capability {cc[0]}.{cc[1]}"
-    missing = _dsl_missing()
-    if missing:
-        return missing
     # TMA descriptors and 16-byte vector loads need 16-byte aligned rows
     for name, t in (("kv_cache", args.kv_cache), ("q_nope", args.q_nope), ("q_pe", args.q_pe)):
         if t.data_ptr() % 16 or any(s % (16 // t.element_size()) for s in t.stride()[:-1]):
             return f"{name} needs 16-byte aligned rows (strides {t.stride()}, {t.element_size()}-byte elements)"
+    missing = _dsl_missing()
+    if missing:  # no JIT here: only a prebuilt library of this variant can run (aot.py)
+        from mla_backend_plugin.kernels.cute_sm90 import aot
+
+        variant = variant_for(args)
+        why = aot.prebuilt_reason(variant, pdl_enabled(), ARCH)
+        if why:
+            return f"{missing} and no prebuilt library can be used: {why}; {aot.PREBUILD_HINT}"
     return None
 
 
@@ -76,7 +85,9 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     tokens = sym()
     q_nope = make_fake_tensor(qd, (tokens, H, D), (sym(q_align), sym(q_align), 1), assumed_align=16)
     q_pe = make_fake_tensor(qd, (tokens, H, 64), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576), (sym(kv_align), sym(kv_align), 1),
+    # 64-bit page stride: a cache past 2 GiB (B=128 x 32k tokens of fp8) overflows 32-bit offsets
+    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576),
+                          (cute.sym_int(64, divisibility=kv_align), sym(kv_align), 1),
                           assumed_align=16)
     batch = sym()
     block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
@@ -101,20 +112,26 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
 ARCH = "sm_90a"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(variant: Variant, use_pdl: bool):
-    """The variant's function: from the on-disk cache when enabled and present (aot.py), else compiled now
-    (and exported to the cache when it is enabled). Runs outside CUDA-graph capture: vLLM's warm-up and the
-    first eager call reach it first."""
+    """The variant's function: from the on-disk cache when it holds a usable entry (aot.py), else compiled now
+    and exported to the cache (when the cache is on). Without the DSL only the cache can serve it. Runs
+    outside CUDA-graph capture: vLLM's warm-up and the first eager call reach it first."""
     from mla_backend_plugin.kernels.cute_sm90 import aot
 
-    try:
-        cached = aot.load(variant, use_pdl, ARCH)
-    except Exception as e:  # noqa: BLE001 - a broken or incompatible library is rebuilt
-        warnings.warn(f"cute_sm90: ignoring the cached {variant.name}: {e}", RuntimeWarning, stacklevel=2)
-        cached = None
-    if cached is not None:
-        return cached
+    path, why = aot.check_entry(variant, use_pdl, ARCH)
+    if path is not None:
+        try:
+            return aot.load_path(path)
+        except Exception as e:  # noqa: BLE001 - a broken library is rebuilt when the DSL is here
+            why = f"loading {path} failed: {e}"
+            if _dsl_missing() is None:
+                warnings.warn(f"cute_sm90: ignoring the cached {variant.name}: {why}", RuntimeWarning,
+                              stacklevel=2)
+    missing = _dsl_missing()
+    if missing:
+        raise RuntimeError(f"cute_sm90: cannot run {variant.name}: {missing} and no prebuilt library can be "
+                           f"used: {why}; {aot.PREBUILD_HINT}")
     compiled = compile_variant(variant, use_pdl, arch=ARCH)
     if aot.cache_root() is not None:
         try:
@@ -127,7 +144,7 @@ def _compiled(variant: Variant, use_pdl: bool):
 def launch(args, workspace) -> None:
     import cuda.bindings.driver as cuda
 
-    from mla_backend_plugin.kernels.cute_sm90.kernel import softmax_scale_log2
+    from mla_backend_plugin.kernels.cute_sm90.config import softmax_scale_log2
     from mla_backend_plugin.kernels.triton_decode.kernel import launch_combine
 
     use_pdl = pdl_enabled()

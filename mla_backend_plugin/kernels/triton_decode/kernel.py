@@ -5,14 +5,19 @@ Design (one CTA = one request x BLOCK_M query rows x one KV split):
   pass over a KV tile serves every head and every speculative token of the request;
 * the KV cache is gathered page by page through the block table; fp8 entries are widened to the q dtype
   (exact for e4m3) and the per-tensor scales are folded into the softmax scale and the final output;
-* the split count is fixed per batch size on the host (graph-safe) and trimmed per request on the device;
-* with one split the kernel writes the final output and LSE itself, with more a combine kernel merges the
-  fp32 partials from the workspace.
+* split-KV is planned in two halves (graph-safe): the host fixes the grid from shapes, the device reads
+  seq_lens. The Triton path runs the balanced plan (ops/workspace.py ``balanced_schedule``: every CTA reads
+  all seq_lens and derives the same schedule of work items, so long requests get more splits than short
+  ones); the uniform plan (``_mla_decode_split_kernel``) stays for comparison and for the combine of the
+  cute_sm90 / xqa_sm120 kernels until they are ported;
+* an unsplit request's CTA writes the final output and LSE itself; split ones go through the fp32 partials
+  of the workspace and a combine kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -32,49 +37,98 @@ _COMPUTE_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Device half of split planning, shared by the split and the combine kernel so they agree."""
-    n = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_CHUNK), 1), NUM_SPLITS)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N), 1) * BLOCK_N
-    # Rounding the chunk up to BLOCK_N can leave the last splits empty: count only non-empty ones.
-    n = tl.maximum(tl.minimum(n, tl.cdiv(seq_len, chunk)), 1)
-    return n, chunk
+def _request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BALANCED: tl.constexpr = False, per_work=1):
+    """Device half of split planning: (splits, chunk tokens) of a request (seq_len may be a block of them).
+
+    BALANCED=False, the uniform plan (cute_sm90, xqa_sm120): min(NUM_SPLITS, cdiv(seq_len, MIN_CHUNK)) splits.
+    BALANCED=True: ``per_work`` = p tiles of the balanced plan (``_balanced_per_work``), NUM_SPLITS the cap;
+    the exact formula is in ops/workspace.py ``balanced_schedule``."""
+    if BALANCED:
+        tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1)
+        n = tl.minimum(tl.cdiv(tiles, per_work), NUM_SPLITS)
+        ct = tl.cdiv(tiles, n)
+        return tl.cdiv(tiles, ct), ct * BLOCK_N
+    else:
+        n = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_CHUNK), 1), NUM_SPLITS)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N), 1) * BLOCK_N
+        # Rounding the chunk up to BLOCK_N can leave the last splits empty: count only non-empty ones.
+        n = tl.maximum(tl.minimum(n, tl.cdiv(seq_len, chunk)), 1)
+        return n, chunk
 
 
 @triton.jit
-def _mla_decode_split_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-    q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
-    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-    stride_kv_blk, stride_kv_tok, stride_bt,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-):
-    b = tl.program_id(0)
-    m_blk = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
-    if split >= n_splits:
-        return  # the combine kernel reads only this request's first n_splits partials
+def _balanced_per_work(seq_lens_ptr, batch, WORK: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SCAN: tl.constexpr):
+    """p = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(T, W)), T = sum_b max(cdiv(seq_len_b, BLOCK_N), 1)."""
+    total = 0
+    for start in range(0, batch, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        ok = offs < batch
+        lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
+        total += tl.sum(tl.where(ok, tl.maximum(tl.cdiv(lens, BLOCK_N), 1), 0), axis=0)
+    return tl.maximum(tl.cdiv(MIN_CHUNK, BLOCK_N), tl.cdiv(total, WORK))
 
+
+@triton.jit
+def _balanced_item(seq_lens_ptr, batch, w, WORK: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """Work item w of the balanced schedule -> (request + 1 or 0 when w is past the end, split, splits of that
+    request, its chunk in tokens, its index j among split requests, J = number of split requests)."""
+    p = _balanced_per_work(seq_lens_ptr, batch, WORK, MIN_CHUNK, BLOCK_N, SCAN)
+    # items of split requests first (w = S_b + split), in order of b
+    hit_b = 0
+    hit_s = 0
+    hit_n = 0
+    hit_c = 0
+    hit_j = 0
+    num_slots = 0
+    num_split = 0
+    num_single = 0
+    for start in range(0, batch, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        ok = offs < batch
+        lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
+        n, chunk = _request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
+        is_split = ok & (n > 1)
+        cnt = tl.where(is_split, n, 0)
+        incl = num_slots + tl.cumsum(cnt, axis=0)
+        excl = incl - cnt
+        sp = is_split.to(tl.int32)
+        j_excl = num_split + tl.cumsum(sp, axis=0) - sp
+        hit = is_split & (excl <= w) & (w < incl)
+        hit_b += tl.sum(tl.where(hit, offs + 1, 0), axis=0)
+        hit_s += tl.sum(tl.where(hit, w - excl, 0), axis=0)
+        hit_n += tl.sum(tl.where(hit, n, 0), axis=0)
+        hit_c += tl.sum(tl.where(hit, chunk, 0), axis=0)
+        hit_j += tl.sum(tl.where(hit, j_excl, 0), axis=0)
+        num_slots += tl.sum(cnt, axis=0)
+        num_split += tl.sum(sp, axis=0)
+    # then one item per unsplit request (w = NS + #unsplit before b), in order of b
+    r = w - num_slots
+    for start in range(0, batch, SCAN):
+        offs = start + tl.arange(0, SCAN)
+        ok = offs < batch
+        lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
+        n, chunk = _request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
+        single = (ok & (n == 1)).to(tl.int32)
+        excl = num_single + tl.cumsum(single, axis=0) - single
+        hit = (single > 0) & (excl == r)
+        hit_b += tl.sum(tl.where(hit, offs + 1, 0), axis=0)
+        hit_n += tl.sum(tl.where(hit, 1, 0), axis=0)
+        hit_c += tl.sum(tl.where(hit, chunk, 0), axis=0)
+        num_single += tl.sum(single, axis=0)
+    return hit_b, hit_s, hit_n, hit_c, hit_j, num_split
+
+
+@triton.jit
+def _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
+            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok, stride_bt,
+            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
+            COMPUTE_DTYPE: tl.constexpr):
+    """Online softmax of BLOCK_M query rows of request b over keys [start, end): (acc, m_i, l_i), log2 domain."""
     compute_dtype: tl.constexpr = COMPUTE_DTYPE
-    q_scale = 1.0
-    if Q_SCALE_IS_PTR:
-        q_scale = tl.load(q_scale_ptr).to(tl.float32)
-    else:
-        q_scale = q_scale_val
-    kv_scale = 1.0
-    if KV_SCALE_IS_PTR:
-        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
-    else:
-        kv_scale = kv_scale_val
-    qk_scale = sm_scale * q_scale * kv_scale * 1.4426950408889634  # log2 domain
-
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Q_LEN * NUM_HEADS
     t = rows // NUM_HEADS
@@ -94,8 +148,6 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_NOPE], dtype=tl.float32)
 
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -119,20 +171,140 @@ def _mla_decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(compute_dtype), k_nope, acc)  # V is the latent part of the same cache entry
         m_i = m_new
+    return acc, m_i, l_i
 
+
+@triton.jit
+def _scales(q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
+            Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr):
+    """(log2-domain QK scale, kv scale)."""
+    q_scale = 1.0
+    if Q_SCALE_IS_PTR:
+        q_scale = tl.load(q_scale_ptr).to(tl.float32)
+    else:
+        q_scale = q_scale_val
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+    return sm_scale * q_scale * kv_scale * 1.4426950408889634, kv_scale
+
+
+@triton.jit
+def _store_final(out_ptr, lse_ptr, acc, m_i, l_i, kv_scale, b, m_blk, stride_o_t, stride_o_h, stride_lse_t,
+                 stride_lse_h, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 D_NOPE: tl.constexpr):
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Q_LEN * NUM_HEADS
+    tok = b * Q_LEN + rows // NUM_HEADS
+    h = rows % NUM_HEADS
+    offs_dn = tl.arange(0, D_NOPE)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)
     lse2 = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+    o = acc * (inv_l * kv_scale)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_dn[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, slot_row0, m_blk, NUM_HEADS: tl.constexpr,
+                   Q_LEN: tl.constexpr, BLOCK_M: tl.constexpr, D_NOPE: tl.constexpr, ROW_STRIDE: tl.constexpr):
+    """fp32 O / l and log2 LSE of each row to part = slot_row0 + row * ROW_STRIDE."""
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Q_LEN * NUM_HEADS
+    offs_dn = tl.arange(0, D_NOPE)
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)
+    lse2 = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+    part = (slot_row0 + rows * ROW_STRIDE).to(tl.int64)
+    tl.store(part_o_ptr + part[:, None] * D_NOPE + offs_dn[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
+    tl.store(part_lse_ptr + part, lse2, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    stride_kv_blk, stride_kv_tok, stride_bt,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    """Uniform plan: grid (B, m_blocks, NUM_SPLITS); part = (b * Q_LEN * H + row) * NUM_SPLITS + split."""
+    b = tl.program_id(0)
+    m_blk = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    if split >= n_splits:
+        return  # the combine kernel reads only this request's first n_splits partials
+
+    qk_scale, kv_scale = _scales(q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
+                                 Q_SCALE_IS_PTR, KV_SCALE_IS_PTR)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
+                            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok,
+                            stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE, COMPUTE_DTYPE)
     if NUM_SPLITS == 1:
-        o = acc * (inv_l * kv_scale)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_dn[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse2 * 0.6931471805599453, mask=row_ok)
+        _store_final(out_ptr, lse_ptr, acc, m_i, l_i, kv_scale, b, m_blk, stride_o_t, stride_o_h, stride_lse_t,
+                     stride_lse_h, NUM_HEADS, Q_LEN, BLOCK_M, D_NOPE)
     else:
-        o = acc * inv_l[:, None]
-        part = ((b * (Q_LEN * NUM_HEADS) + rows) * NUM_SPLITS + split).to(tl.int64)
-        tl.store(part_o_ptr + part[:, None] * D_NOPE + offs_dn[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part, lse2, mask=row_ok)
+        _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, b * (Q_LEN * NUM_HEADS) * NUM_SPLITS + split,
+                       m_blk, NUM_HEADS, Q_LEN, BLOCK_M, D_NOPE, NUM_SPLITS)
+
+
+@triton.jit
+def _mla_decode_split_balanced_kernel(
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr,
+    q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale, batch,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    stride_kv_blk, stride_kv_tok, stride_bt,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    WORK: tl.constexpr, SCAN: tl.constexpr,
+    Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    """Balanced plan (ops/workspace.py balanced_schedule): grid (m_blocks, G work items); a split item w stores
+    its partial to slot w (part = w * Q_LEN * H + row), an unsplit one writes the output."""
+    m_blk = tl.program_id(0)
+    w = tl.program_id(1)
+    b1, split, n_splits, chunk, j, num_split = _balanced_item(seq_lens_ptr, batch, w, WORK, NUM_SPLITS, MIN_CHUNK,
+                                                              BLOCK_N, SCAN)
+    # the combine's list: J, then (b, S_b, n_b) of each split request
+    tl.store(split_index_ptr, num_split, mask=(m_blk == 0) & (w == 0))
+    is_first = (m_blk == 0) & (split == 0) & (n_splits > 1)
+    tl.store(split_index_ptr + 1 + 3 * j, b1 - 1, mask=is_first)
+    tl.store(split_index_ptr + 2 + 3 * j, w, mask=is_first)
+    tl.store(split_index_ptr + 3 + 3 * j, n_splits, mask=is_first)
+    if b1 == 0:
+        return  # past the end of the schedule
+
+    b = b1 - 1
+    seq_len = tl.load(seq_lens_ptr + b)
+    qk_scale, kv_scale = _scales(q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
+                                 Q_SCALE_IS_PTR, KV_SCALE_IS_PTR)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
+                            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok,
+                            stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE, COMPUTE_DTYPE)
+    if n_splits > 1:
+        _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, w * (Q_LEN * NUM_HEADS), m_blk, NUM_HEADS, Q_LEN,
+                       BLOCK_M, D_NOPE, 1)
+    else:
+        _store_final(out_ptr, lse_ptr, acc, m_i, l_i, kv_scale, b, m_blk, stride_o_t, stride_o_h, stride_lse_t,
+                     stride_lse_h, NUM_HEADS, Q_LEN, BLOCK_M, D_NOPE)
 
 
 @triton.jit
@@ -177,6 +349,54 @@ def _mla_decode_combine_kernel(
     tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
 
 
+@triton.jit
+def _mla_decode_combine_balanced_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr, kv_scale_ptr, kv_scale_val,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, ROWS: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max); CTA (r, j) merges ROWS rows of the j-th split
+    request, whose (b, S_b, n_b) the split kernel wrote to split_index[1 + 3 j:] (split_index[0] = J)."""
+    if USE_PDL:
+        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
+    j = tl.program_id(1)
+    if j >= tl.load(split_index_ptr):
+        return
+    b = tl.load(split_index_ptr + 1 + 3 * j)
+    slot0 = tl.load(split_index_ptr + 2 + 3 * j)
+    n_splits = tl.load(split_index_ptr + 3 + 3 * j)
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the grid covers Q_LEN * H exactly
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < n_splits
+    # part = (S_b + split) * Q_LEN * H + row
+    part = (slot0 + offs_s[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
+    lse_s = tl.load(part_lse_ptr + part, mask=s_ok[None, :], other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=1)
+    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.where(s_ok[None, :], tl.exp2(lse_s - lse_use[:, None]), 0.0)
+    w_sum = tl.sum(w, axis=1)
+    offs_d = tl.arange(0, D_NOPE)
+    acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
+    for s in range(n_splits):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+        row_part = (slot0 + s).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows
+        acc += w_s[:, None] * tl.load(part_o_ptr + row_part[:, None] * D_NOPE + offs_d[None, :])
+    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
+    tok = b * Q_LEN + rows // NUM_HEADS
+    h = rows % NUM_HEADS
+    tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_d[None, :],
+             (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
+    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiler_options_of(index: int) -> dict:
     major, minor = torch.cuda.get_device_capability(index)
@@ -196,15 +416,27 @@ def _scale_args(scale):
     return None, 1.0 if scale is None else float(scale), False
 
 
-def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
+def _default_balanced() -> bool:
+    """CUTE_MLA_TRITON_SPLITS=uniform runs the Triton kernel on the uniform plan (to measure the difference)."""
+    mode = os.environ.get("CUTE_MLA_TRITON_SPLITS", "balanced")
+    if mode not in ("balanced", "uniform"):
+        raise ValueError(f"CUTE_MLA_TRITON_SPLITS={mode!r}: allowed balanced, uniform")
+    return mode == "balanced"
+
+
+def launch(args, workspace, config: TritonDecodeConfig | None = None, balanced: bool | None = None) -> None:
     """Run the Triton decode on validated ``DecodeArgs`` (see ops/api.py), writing args.out and args.lse.
 
     ``config`` overrides the tile configuration (benchmarks/tune_triton.py); the workspace must have been
-    planned for the same ``block_m`` (``MLAWorkspace(..., rows_per_cta=config.block_m)``).
+    planned for the same ``block_m`` (``MLAWorkspace(..., rows_per_cta=config.block_m)``). ``balanced=False``
+    runs the uniform split plan the other kernels still use (tests and comparisons); None: balanced unless
+    the environment says CUTE_MLA_TRITON_SPLITS=uniform.
     """
+    if balanced is None:
+        balanced = _default_balanced()
     cfg = config or config_for(args.num_heads, device_smem_per_block(args.q_nope.device))
     batch, q_len, num_heads = args.batch, args.q_len, args.num_heads
-    plan = workspace.plan(batch, q_len)
+    plan = workspace.plan(batch, q_len, balanced=balanced)
     assert plan.rows_per_cta == cfg.block_m, "workspace planned for another tile shape"
     rows = q_len * num_heads
     m_blocks = triton.cdiv(rows, cfg.block_m)
@@ -215,30 +447,61 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None) -> None:
     q_scale_ptr = dummy if q_scale_ptr is None else q_scale_ptr
     kv_scale_ptr = dummy if kv_scale_ptr is None else kv_scale_ptr
     out, lse, kv = args.out, args.lse, args.kv_cache
-    _mla_decode_split_kernel[(batch, m_blocks, plan.num_splits)](
-        args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
-        out, lse, workspace.partial_out, workspace.partial_lse,
-        q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale,
-        args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
-        kv.stride(0), kv.stride(1), args.block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+    common = dict(
         NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=kv.shape[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk,
         Q_SCALE_IS_PTR=q_is_ptr, KV_SCALE_IS_PTR=kv_is_ptr,
         D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=_COMPUTE_DTYPE[args.compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_compiler_options(args.q_nope.device),
     )
-    if plan.num_splits > 1:
-        launch_combine(args, workspace, plan, cfg.block_n)
+    strides = (args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
+               kv.stride(0), kv.stride(1), args.block_table.stride(0),
+               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+    if balanced:
+        assert workspace.partial_out.shape[0] >= plan.max_slots * rows, "workspace too small for the plan"
+        assert workspace.split_index.numel() >= 1 + 3 * plan.max_split_requests
+        _mla_decode_split_balanced_kernel[(m_blocks, plan.grid_items)](
+            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
+            out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index,
+            q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, batch, *strides,
+            WORK=plan.work_target, SCAN=min(1024, max(16, triton.next_power_of_2(batch))), **common,
+        )
+    else:
+        _mla_decode_split_kernel[(batch, m_blocks, plan.num_splits)](
+            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
+            out, lse, workspace.partial_out, workspace.partial_lse,
+            q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, *strides, **common,
+        )
+    if plan.has_combine:
+        launch_combine(args, workspace, plan, cfg.block_n, balanced=balanced)
 
 
-def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -> None:
-    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse (shared by every split kernel
-    that writes the workspace layout: part = (request * q_len * H + row) * num_splits + split)."""
+def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False, balanced: bool = False) -> None:
+    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse, for every split kernel that
+    writes the workspace layout of its plan (``plan`` must be ``workspace.plan(batch, q_len, balanced)``):
+
+    * ``balanced=False`` (uniform plan): part = (request * q_len * H + row) * num_splits + split, the split
+      count of each request recomputed here from seq_lens (``_request_splits``);
+    * ``balanced=True``: part = slot * q_len * H + row, the split requests and their slots read from
+      ``workspace.split_index`` as the split kernel wrote it (ops/workspace.py ``balanced_schedule``).
+    """
+    assert plan.balanced == balanced, "the plan and the combine disagree on the split layout"
     kv_scale_ptr, kv_scale_val, kv_is_ptr = _scale_args(args.kv_scale)
     kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
     out, lse = args.out, args.lse
     extra = {"launch_pdl": True} if use_pdl else {}
+    if balanced:
+        if plan.max_split_requests == 0:
+            return
+        rows = args.q_len * args.num_heads
+        _mla_decode_combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests)](
+            out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
+            kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
+            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
+            num_warps=4, **extra,
+        )
+        return
     _mla_decode_combine_kernel[(args.batch, args.q_len * args.num_heads)](
         out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),

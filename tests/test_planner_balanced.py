@@ -1,0 +1,187 @@
+"""The balanced split plan (ops/workspace.py): its bounds, its makespan against the uniform plan on a model
+of an H100, and the real Triton kernels running it through Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mla_backend_plugin.ops.workspace import (
+    MAX_SPLITS,
+    MIN_CHUNK_TOKENS,
+    MLAWorkspace,
+    balanced_schedule,
+    ideal_makespan,
+    makespan,
+    plan_cta_costs,
+    plan_splits,
+    uniform_request_splits,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NUM_SMS = 132  # H100 SXM
+ROWS, BLOCK_N = 64, 64  # the H100 Triton tile (and cute_sm90's)
+
+
+def long_tail(batch: int, seed: int) -> list[int]:
+    """Lengths from a long-tailed (log-normal, median 1500) distribution, capped at 64k."""
+    rng = random.Random(seed)
+    return [min(65536, max(1, int(rng.lognormvariate(math.log(1500), 1.2)))) for _ in range(batch)]
+
+
+def step_makespans(seq_lens, q_len=1, heads=128):
+    """(uniform, balanced, ideal) modelled step times in KV tiles (1.5 tiles per CTA, 0.15 per empty CTA)."""
+    batch = len(seq_lens)
+    res = []
+    for balanced in (False, True):
+        plan = plan_splits(batch, q_len, heads, ROWS, NUM_SMS, balanced=balanced)
+        res.append(makespan(plan_cta_costs(plan, seq_lens, q_len, heads, BLOCK_N), NUM_SMS))
+    return res[0], res[1], ideal_makespan(seq_lens, q_len, heads, ROWS, BLOCK_N, NUM_SMS)
+
+
+RAGGED = {
+    "B=8: 32768 + 7 x 1024": [32768] + [1024] * 7,
+    "B=128: 32768 + 127 x 1024": [32768] + [1024] * 127,
+    "B=128: 127 x 1024 + 32768": [1024] * 127 + [32768],
+    "B=64 long-tail": long_tail(64, seed=1),
+    "B=256 long-tail": long_tail(256, seed=2),
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED))
+def test_makespan_ragged(name):
+    old, new, ideal = step_makespans(RAGGED[name])
+    print(f"{name}: uniform {old:.1f}, balanced {new:.1f}, ideal {ideal:.1f} tiles")
+    assert new <= 0.65 * old, f"{name}: balanced {new:.1f} not much better than uniform {old:.1f}"
+    assert new <= 2.0 * ideal + 4, f"{name}: balanced {new:.1f} far from the ideal {ideal:.1f}"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 66, 128, 256, 1024])
+@pytest.mark.parametrize("seq_len", [1, 200, 1024, 8192, 32768])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_makespan_uniform_no_worse(batch, seq_len, q_len):
+    old, new, _ = step_makespans([seq_len] * batch, q_len)
+    assert new <= old * 1.02 + 0.2, f"uniform batch {batch} x {seq_len}: balanced {new:.1f} > uniform {old:.1f}"
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+def test_uniform_batch_that_fills_gpu_is_not_split(heads, q_len):
+    rows = min(ROWS, heads)
+    m_blocks = -(-(q_len * heads) // rows)
+    fills = -(-NUM_SMS // m_blocks)
+    for batch in (fills, fills + 1, 2 * fills, 1000):
+        plan = plan_splits(batch, q_len, heads, rows, NUM_SMS, balanced=True)
+        for seq_len in (1, 63, 64, 1000, 8192, 100_000):
+            sched = balanced_schedule([seq_len] * batch, BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
+            assert sched.splits == [1] * batch and sched.num_slots == 0
+
+
+def test_small_uniform_batches_plan_like_before():
+    """Up to rounding, the balanced plan splits a uniform batch no more than the uniform plan did."""
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        uni = plan_splits(batch, 1, 128, ROWS, NUM_SMS)
+        bal = plan_splits(batch, 1, 128, ROWS, NUM_SMS, balanced=True)
+        for seq_len in (1, 100, 1024, 8192, 32768):
+            n_old = uniform_request_splits(seq_len, uni.num_splits, uni.min_chunk, BLOCK_N)[0]
+            n_new = balanced_schedule([seq_len] * batch, BLOCK_N, bal.min_chunk, bal.work_target,
+                                      bal.num_splits).splits[0]
+            assert n_new <= n_old and (n_new >= n_old // 2 or n_new * batch * 2 >= NUM_SMS), (batch, seq_len)
+
+
+def test_long_request_split_at_large_batch():
+    for batch in (128, 256, 1024):
+        plan = plan_splits(batch, 1, 128, ROWS, NUM_SMS, balanced=True)
+        lens = [32768] + [1024] * (batch - 1)
+        sched = balanced_schedule(lens, BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
+        assert sched.splits[0] >= 2 and set(sched.splits[1:]) == {1}
+        assert plan_splits(batch, 1, 128, ROWS, NUM_SMS).num_splits == 1  # the uniform plan would not
+
+
+def _random_lens(rng: random.Random, batch: int) -> list[int]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return [rng.randint(0, 70_000) for _ in range(batch)]
+    if kind == 1:
+        return [rng.choice([1, 64, 65, 4096, 33_000]) for _ in range(batch)]
+    if kind == 2:
+        return long_tail(batch, rng.randrange(1 << 30))
+    n = rng.randint(1, 100_000)
+    return [n + rng.randint(0, 3) for _ in range(batch)]
+
+
+@pytest.mark.parametrize("heads,q_len,num_sms,max_splits,block_n", [
+    (128, 1, 132, MAX_SPLITS, 64), (128, 4, 132, MAX_SPLITS, 64), (16, 1, 132, 64, 64), (64, 2, 78, 16, 32),
+    (32, 3, 8, MAX_SPLITS, 16), (128, 1, 1, MAX_SPLITS, 64), (128, 2, 132, 1, 64), (16, 2, 170, 64, 32),
+])
+def test_schedule_invariants_and_bounds(heads, q_len, num_sms, max_splits, block_n):
+    """For random seq_lens: chunks tile each request exactly, items enumerate every (request, split) once in
+    the documented order, and the host's grid / slot / list sizes are upper bounds."""
+    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n)) & 0xFFFF)
+    rows = min(ROWS, heads)
+    for _ in range(150):
+        batch = rng.choice([1, 2, 3, 7, 31, 65, 66, 130, 131, 200, 600])
+        lens = _random_lens(rng, batch)
+        plan = plan_splits(batch, q_len, heads, rows, num_sms, max_splits=max_splits, balanced=True)
+        s = balanced_schedule(lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+        assert s.per_work >= -(-MIN_CHUNK_TOKENS // block_n)
+        for b, (x, n, c) in enumerate(zip(lens, s.splits, s.chunk)):
+            assert 1 <= n <= max_splits and c % block_n == 0
+            assert (n - 1) * c < max(x, 1) <= n * c or (x == 0 and n == 1), (b, x, n, c)
+        split_items = [(b, k) for b in s.split_requests for k in range(s.splits[b])]
+        assert s.items == split_items + [(b, 0) for b, n in enumerate(s.splits) if n == 1]
+        assert s.num_slots == len(split_items)
+        for b in s.split_requests:
+            assert s.items[s.slot_base[b]] == (b, 0)
+        assert len(s.items) <= plan.grid_items, (lens, len(s.items), plan)
+        assert s.num_slots <= plan.max_slots and len(s.split_requests) <= plan.max_split_requests
+        assert plan.grid_items - len(s.items) <= max(plan.work_target - 1, 0) or plan.max_split_requests == 0
+
+
+def test_workspace_holds_balanced_plan():
+    ws = MLAWorkspace("cpu", max_batch=300, max_q_len=4, num_heads=128, num_sms=NUM_SMS)
+    for q_len in range(1, 5):
+        for batch in range(1, 301):
+            plan = ws.plan(batch, q_len, balanced=True)
+            assert plan.max_slots * q_len * 128 <= ws.partial_out.shape[0] == ws.partial_lse.shape[0]
+            assert 1 + 3 * plan.max_split_requests <= ws.split_index.numel()
+    assert ws.partial_rows_balanced <= ws.partial_out.shape[0]
+    # the balanced plan needs no more than the uniform one's worst case, plus a few slots
+    assert ws.partial_rows_balanced <= ws.partial_rows + 2 * 4 * 128
+
+
+def test_balanced_kernels_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "triton_interpret_balanced_check.py")], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def test_balanced_kernels_compile_for_sm90():
+    """The balanced split and combine kernels build for sm_90a with no GPU (compile.py does not list them yet);
+    the split kernel stays within the H100's shared memory."""
+    pytest.importorskip("triton")
+    from mla_backend_plugin.compile import build_triton, triton_split_spec
+    from mla_backend_plugin.kernels.triton_decode import kernel as k
+    from mla_backend_plugin.kernels.triton_decode.config import config_for
+    from mla_backend_plugin.ops.constants import KV_LORA_RANK
+
+    cfg = config_for(128, 232_448)
+    pointers, constexprs, options = triton_split_spec(cfg, 128, 1, "bf16", MAX_SPLITS, 90)
+    pointers = {**pointers, "split_index_ptr": "*i32"}
+    constexprs = {**constexprs, "WORK": 66, "SCAN": 128}
+    split = build_triton(k._mla_decode_split_balanced_kernel, pointers, constexprs, options, cc=90)
+    assert split.metadata.shared <= 232_448
+    combine = build_triton(
+        k._mla_decode_combine_balanced_kernel,
+        {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+         "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
+        {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 4, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 32,
+         "USE_PDL": True},
+        {"num_warps": 4}, cc=90)
+    assert combine.metadata.shared >= 0
