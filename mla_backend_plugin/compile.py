@@ -103,6 +103,10 @@ def triton_variants(cc: int):
             for splits in (1, 8):
                 yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
                        k._mla_decode_split_kernel, *triton_split_spec(cfg, num_heads, q_len, kv_name, splits, cc))
+            # the balanced work-item grid (the default split plan of the Triton path, ops/workspace.py)
+            pointers, constexprs, options = triton_split_spec(cfg, num_heads, q_len, kv_name, 32, cc)
+            yield (f"triton_split_balanced h{num_heads} q{q_len} kv={kv_name}", k._mla_decode_split_balanced_kernel,
+                   {**pointers, "split_index_ptr": "*i32"}, {**constexprs, "WORK": 66, "SCAN": 128}, options)
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
     # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched after cute_sm90
@@ -111,6 +115,11 @@ def triton_variants(cc: int):
                           D_NOPE=KV_LORA_RANK, SPLITS_P2=8, USE_PDL=use_pdl)
         yield (f"triton_combine h128 q2 splits=8{' pdl' if use_pdl else ''}", k._mla_decode_combine_kernel,
                pointers, constexprs, dict(num_warps=4))
+    yield ("triton_combine_balanced h128 q1", k._mla_decode_combine_balanced_kernel,
+           {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
+           {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 4, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK,
+            "SPLITS_P2": 32, "USE_PDL": cc >= 90}, dict(num_warps=4))
 
 
 def build_triton(fn, pointers: dict, constexprs: dict, options: dict, cc: int):

@@ -4,6 +4,8 @@ that launches with PDL (cute_sm90, xqa_sm120); each skips where its kernel canno
 * PDL on and off give bit-identical results (split and unsplit paths, bf16 and fp8 KV);
 * CUDA-graph capture with PDL on and off, replayed with new lengths;
 * compute-sanitizer memcheck and racecheck on a small case (skipped without compute-sanitizer);
+* xqa_sm120: NaN in KV slots no request may read (the tail of a last page, past a split's end) never reaches
+  the output, for every page size (the kernel zeroes the rows past the end after TMA lands them);
 * on SM120/SM121 only: the native sm_120a/sm_121a cubin is the one loaded.
 """
 
@@ -140,6 +142,29 @@ def test_compute_sanitizer(tool, kernel):
     assert proc.returncode == 0 and "SANITIZER_OK" in text, f"{' '.join(cmd)} -> {proc.returncode}\n{text[-4000:]}"
     summary = {"memcheck": r"ERROR SUMMARY: 0 errors", "racecheck": r"RACECHECK SUMMARY: 0 hazards"}[tool]
     assert re.search(summary, text), text[-4000:]
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("kv_dtype,q_form", [(torch.bfloat16, "pair"), (FP8_DTYPE, "pair"), (FP8_DTYPE, "fp8")],
+                         ids=["bf16", "fp8kv", "fp8q"])
+def test_xqa_nan_in_unread_slots(kernel, bs, kv_dtype, q_form):
+    if kernel != "xqa_sm120":
+        pytest.skip("xqa_sm120 only")
+    lens = [1, 2 * bs + 3, 77, 5 * bs - 1]
+    fp8 = kv_dtype == FP8_DTYPE
+    inp = make_decode_inputs(4, lens, 2, 32, bs, kv_dtype, q_form, "cuda", 13, q_scale=2.0 if q_form == "fp8" else None,
+                             kv_scale=3.0 if fp8 else None)
+    kv = inp.kv_cache.view(torch.uint8) if fp8 else inp.kv_cache
+    nan = 0x7F if fp8 else math.nan  # e4m3 NaN is S.1111.111
+    for b, n in enumerate(lens):
+        page = int(inp.block_table[b, (n - 1) // bs])
+        if n % bs:
+            kv[page, n % bs:] = nan
+    for num_sms in (1, 132):  # one split, and splits whose ends fall inside a page
+        ws = MLAWorkspace("cuda", max_batch=4, max_q_len=2, num_heads=32, num_sms=num_sms)
+        out, lse = _run(inp, ws)
+        ref_out, ref_lse = inp.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"num_sms={num_sms}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 12,

@@ -1,6 +1,8 @@
-"""CPU tests of the xqa_sm120 kernel family: nvcc builds for every architecture (no GPU needed), the on-disk
-cache and its key, clear errors for a missing nvcc or an unsupported architecture, unsupported_reason texts,
-and the ctypes mirror of the kernel's parameter struct."""
+"""CPU tests of the xqa_sm120 kernel family: nvcc builds for every architecture (no GPU needed) whose SASS holds
+the TMA load and, on sm_120a/sm_121a, the native fp8 mma; the on-disk cache and its key, clear errors for a
+missing nvcc or an unsupported architecture, unsupported_reason texts, the ctypes mirror of the kernel's
+parameter struct, the KV tensor map's arguments and cache, and a numpy model of the fp8 fragment algebra the
+kernel relies on (emulated k32 mma, the V transpose through 16-bit ldmatrix + prmt, the swizzled addresses)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,32 @@ def test_compile_every_variant(cache_env, arch):
     for name in build.KERNEL_NAMES:
         assert name.encode() in data
     assert arch.encode() in cubin.name.encode()
+    sass = build.sass_by_kernel(cubin, build.find_nvcc())
+    assert set(sass) == set(build.KERNEL_NAMES)
+    for name in build.SPLIT_KERNEL_NAMES:
+        assert re.search(build.SASS_TMA, sass[name]), f"{name}: no UTMALDG on {arch}"
+        native = re.search(build.SASS_FP8_MMA, sass[name])
+        if name in build.FP8_KV_KERNELS and arch in build.NATIVE_FP8_MMA_ARCHS:
+            assert native and not re.search(r"\bHMMA\.", sass[name]), f"{name}: no native fp8 mma on {arch}"
+        elif name in build.FP8_KV_KERNELS:  # sm_90a: the f16 emulation
+            assert not native and re.search(r"\bHMMA\.16816\.F32 ", sass[name]) and "E4M3" in sass[name]
+        else:
+            assert not native and re.search(r"\bHMMA\.16816", sass[name])
+        assert not re.search(r"\b(?:STL|LDL)\b", sass[name])
+
+
+def test_sass_problems_are_reported():
+    """compile_variants fails a kernel whose SASS lacks TMA / the native fp8 mma, or touches local memory."""
+    good16 = "UTMALDG.4D [UR8], [UR4] ; HMMA.16816.F32.BF16 R4, R8, R12, R4 ;"
+    assert build.sass_problems("xqa_mla_split_bf16_kv16", "sm_120a", good16) == []
+    assert "no UTMALDG" in build.sass_problems("xqa_mla_split_bf16_kv16", "sm_90a", "HMMA.16816.F32.BF16 R4")[0]
+    good8 = "UTMALDG.4D [UR8], [UR4] ; QMMA.16832.F32.E4M3.E4M3 R8, R8, R12, RZ ;"
+    assert build.sass_problems("xqa_mla_split_fp8_kv8", "sm_121a", good8) == []
+    missing = build.sass_problems("xqa_mla_split_bf16_kv8", "sm_120a", good16)
+    assert any("native fp8 mma" in m for m in missing) and any("HMMA in an fp8" in m for m in missing)
+    emulated = "UTMALDG.4D [UR8], [UR4] ; F2FP.F16.E4M3.UNPACK_B R1, R2 ; HMMA.16816.F32 R4, R8, R12, R4 ;"
+    assert build.sass_problems("xqa_mla_split_fp16_kv8", "sm_90a", emulated) == []
+    assert "STL/LDL" in build.sass_problems("xqa_mla_combine", "sm_90a", "STL.64 [R1], RZ ;")[0]
 
 
 @needs_nvcc
@@ -199,6 +227,214 @@ def test_pdl_env(monkeypatch):
     monkeypatch.setenv(launch.PDL_ENV_VAR, "maybe")
     with pytest.raises(ValueError, match="CUTE_MLA_PDL"):
         launch.pdl_enabled()
+
+
+def test_split_kernel_choice():
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+    assert launch.split_kernel_name(bf16, bf16, bf16) == "xqa_mla_split_bf16_kv16"
+    assert launch.split_kernel_name(fp16, fp16, fp8) == "xqa_mla_split_fp16_kv16"  # fp8 q widened
+    assert launch.split_kernel_name(bf16, fp8, bf16) == "xqa_mla_split_bf16_kv8"  # q quantised hi + lo
+    assert launch.split_kernel_name(fp16, fp8, fp16) == "xqa_mla_split_fp16_kv8"
+    assert launch.split_kernel_name(bf16, fp8, fp8) == launch.split_kernel_name(fp16, fp8, fp8) == \
+        "xqa_mla_split_fp8_kv8"
+    assert set(build.FP8_KV_KERNELS) == {"xqa_mla_split_bf16_kv8", "xqa_mla_split_fp16_kv8", "xqa_mla_split_fp8_kv8"}
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_kv_tensor_map_spec(page, dtype):
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver as cd
+
+    es = torch.empty(0, dtype=dtype).element_size()
+    kv = torch.zeros(7, page, 576, dtype=dtype)
+    spec = launch.kv_tensor_map_spec(kv)
+    assert spec["dims"] == (64, 9, page, 7)
+    assert spec["strides_bytes"] == (64 * es, 576 * es, page * 576 * es)
+    assert spec["box"] == (64, 9, min(page, 32), 1)  # one box per tile (or two for 16-token pages)
+    # the inner box fills exactly one swizzle span: 128 B for 16-bit rows, 64 B for fp8 rows
+    assert spec["swizzle"] == (cd.CU_TENSOR_MAP_SWIZZLE_64B if es == 1 else cd.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert spec["box"][0] * es == (64 if es == 1 else 128)
+    assert spec["data_type"] == (cd.CU_TENSOR_MAP_DATA_TYPE_UINT8 if es == 1 else cd.CU_TENSOR_MAP_DATA_TYPE_UINT16)
+    for stride in spec["strides_bytes"]:
+        assert stride % 16 == 0 and stride < 2 ** 40
+    # a strided cache (vLLM's [blocks, page, 1, 576] squeezed, pages padded): the map follows the strides
+    big = torch.zeros(7, page + 2, 576, dtype=dtype)[:, :page]
+    assert launch.kv_tensor_map_spec(big)["strides_bytes"] == (64 * es, 576 * es, (page + 2) * 576 * es)
+
+
+def test_kv_tensor_map_cache(monkeypatch):
+    """One encode per cache tensor (address, shape, strides, dtype); a map is reused across calls (and graph
+    replays keep the bytes they captured)."""
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver
+
+    encoded = []
+
+    class FakeMap:
+        def __init__(self, **kw):
+            encoded.append(kw)
+            self.param = kw
+
+    monkeypatch.setattr(cuda_driver, "TensorMap", FakeMap)
+    monkeypatch.setattr(launch, "_TMAPS", {})
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    m1 = launch.kv_tensor_map(kv)
+    assert launch.kv_tensor_map(kv) is m1 and len(encoded) == 1
+    assert encoded[0]["global_address"] == kv.data_ptr() and encoded[0]["dims"] == (64, 9, 64, 4)
+    launch.kv_tensor_map(kv[:2])  # another shape at the same address: a new map
+    launch.kv_tensor_map(kv.view(torch.float16))  # another dtype
+    launch.kv_tensor_map(torch.zeros(4, 64, 576, dtype=torch.bfloat16))  # another tensor
+    assert len(encoded) == 4
+
+
+def test_unsupported_reason_page_size():
+    args = _args()
+    args.kv_cache = torch.zeros(2, 48, 576, dtype=torch.bfloat16)
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    assert "block size 48" in launch.unsupported_reason(args, (12, 0))
+
+
+# ---- numpy model of the fp8 fragment algebra in xqa_mla.cu (PTX ISA fragment layouts, ldmatrix, prmt) ----
+
+def _swz(addr: int, fp8: bool) -> int:
+    """kv_addr's swizzle: TMA 64 B swizzle for fp8 rows, 128 B for 16-bit rows."""
+    return addr ^ ((addr >> 3) & (0x30 if fp8 else 0x70))
+
+
+def _ldmatrix_x4(mem, addrs, trans=False):
+    """ldmatrix.m8n8.x4.b16: lane L gives row L % 8 of matrix L // 8 (16 bytes); returns [lane][matrix][4 bytes].
+    Also asserts the 8 rows of each matrix hit 8 different 16-byte bank groups (conflict-free)."""
+    import numpy as np
+
+    regs = np.zeros((32, 4, 4), dtype=np.int64)
+    for m in range(4):
+        assert len({(addrs[8 * m + r] >> 4) & 7 for r in range(8)}) == 8, "bank conflict"
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for m in range(4):
+            rows = [mem[addrs[8 * m + r]:addrs[8 * m + r] + 16] for r in range(8)]
+            regs[lane, m] = rows[g][4 * t:4 * t + 4] if not trans else \
+                [rows[2 * t][2 * g], rows[2 * t][2 * g + 1], rows[2 * t + 1][2 * g], rows[2 * t + 1][2 * g + 1]]
+    return regs
+
+
+def _mma_k32(a, b0, b1):
+    """m16n8k32 (row.col) from fragments: a [lane][4 regs][4 bytes], b0/b1 [lane][4 bytes] -> C [16, 8]."""
+    import numpy as np
+
+    A, B = np.zeros((16, 32)), np.zeros((32, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for j in range(4):
+            A[g, 4 * t + j], A[g + 8, 4 * t + j] = a[lane][0][j], a[lane][1][j]
+            A[g, 16 + 4 * t + j], A[g + 8, 16 + 4 * t + j] = a[lane][2][j], a[lane][3][j]
+            B[4 * t + j, g], B[16 + 4 * t + j, g] = b0[lane][j], b1[lane][j]
+    return A @ B
+
+
+def _mma_k32_emulated(a, b0, b1):
+    """The sm_90a emulation: two m16n8k16 on A {a0.lo, a1.lo, a0.hi, a1.hi}, B {b0.lo, b0.hi} (then a2/a3/b1)."""
+    import numpy as np
+
+    C = np.zeros((16, 8))
+    for half in range(2):
+        A, B = np.zeros((16, 16)), np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            r0, r1, rb = a[lane][2 * half], a[lane][2 * half + 1], (b0, b1)[half][lane]
+            A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = r0[0:2], r1[0:2]
+            A[g, 8 + 2 * t:10 + 2 * t], A[g + 8, 8 + 2 * t:10 + 2 * t] = r0[2:4], r1[2:4]
+            B[2 * t:2 * t + 2, g], B[8 + 2 * t:10 + 2 * t, g] = rb[0:2], rb[2:4]
+        C += A @ B
+    return C
+
+
+def _a_frag(A):
+    return [[[A[r + 8 * (reg & 1), 16 * (reg >> 1) + 4 * (lane % 4) + j] for j in range(4)] for reg in range(4)]
+            for lane in range(32) for r in [lane // 4]]
+
+
+def test_fp8_fragment_model():
+    """The kernel's fp8 index algebra on a model of the PTX semantics: (1) the f16 emulation equals the k32 e4m3
+    mma; (2) Q K^T of one warp (4 k32 steps + the rope half step) through the swizzled tile; (3) P V with P
+    packed straight from the S accumulators and V transposed by ldmatrix.trans.b16 + prmt, columns mapped back
+    by the epilogue's col_pair; every ldmatrix conflict-free."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    A, B = rng.integers(-8, 8, (16, 32)), rng.integers(-8, 8, (32, 8))
+    b0 = [[B[4 * (ln % 4) + j, ln // 4] for j in range(4)] for ln in range(32)]
+    b1 = [[B[16 + 4 * (ln % 4) + j, ln // 4] for j in range(4)] for ln in range(32)]
+    assert np.array_equal(_mma_k32(_a_frag(A), b0, b1), A @ B)
+    assert np.array_equal(_mma_k32_emulated(_a_frag(A), b0, b1), A @ B)
+
+    base, row = 3 * 1024, 576
+    kv = rng.integers(-8, 8, (32, row))  # e4m3 values stand-ins, one "byte" each
+    mem = np.zeros(base + 32 * row, dtype=np.int64)
+    for k in range(32):
+        for c in range(row):
+            mem[_swz(base + k * row + c, True)] = kv[k, c]  # what TMA with the 64 B swizzle writes
+
+    def addr(key, byte):  # kv_addr<true>
+        return _swz(base + key * row + byte, True)
+
+    q = rng.integers(-4, 4, (16, 576))
+    p = rng.integers(0, 5, (16, 32))
+    for cq in range(4):
+        s = np.zeros((16, 32))
+        for ks in range(4):
+            d0 = cq * 128 + ks * 32
+            for np_ in range(2):
+                r = _ldmatrix_x4(mem, [addr(np_ * 16 + (ln >> 4) * 8 + (ln & 7), d0 + ((ln >> 3) & 1) * 16)
+                                       for ln in range(32)])
+                for h in range(2):
+                    s[:, 16 * np_ + 8 * h:16 * np_ + 8 * h + 8] += _mma_k32(_a_frag(q[:, d0:d0 + 32]), r[:, 2 * h],
+                                                                          r[:, 2 * h + 1])
+        dr = 512 + 16 * cq
+        r = _ldmatrix_x4(mem, [addr(ln, dr) for ln in range(32)])
+        qr = np.zeros((16, 32))
+        qr[:, :16] = q[:, dr:dr + 16]
+        for n in range(4):
+            s[:, 8 * n:8 * n + 8] += _mma_k32_emulated(_a_frag(qr), r[:, n], np.zeros((32, 4)))
+        dims = list(range(cq * 128, cq * 128 + 128)) + list(range(dr, dr + 16))
+        assert np.array_equal(s, q[:, dims] @ kv[:, dims].T)
+
+        # P V: a0 = (row g: S tiles 0, 1 at 2t, 2t+1), a1 = row g + 8, a2/a3 = tiles 2, 3
+        pa = [[[p[g + 8 * (reg & 1), 16 * (reg >> 1) + 8 * h + 2 * t + e] for h in range(2) for e in range(2)]
+               for reg in range(4)] for ln in range(32) for g, t in [(ln // 4, ln % 4)]]
+        out = np.zeros((16, 128))
+        for sp in range(8):
+            cb = cq * 128 + sp * 16
+            r = _ldmatrix_x4(mem, [addr(ln, cb) for ln in range(32)], trans=True)
+            for h, sel in ((0, 0x6420), (1, 0x7531)):
+
+                def pick(x, y, sel=sel):  # prmt.b32 d, x, y, sel
+                    both = list(x) + list(y)
+                    return [both[(sel >> (4 * i)) & 0xF] for i in range(4)]
+
+                c = _mma_k32(pa, [pick(r[ln, 0], r[ln, 1]) for ln in range(32)],
+                             [pick(r[ln, 2], r[ln, 3]) for ln in range(32)])
+                for ln in range(32):
+                    g, t = ln // 4, ln % 4
+                    for i in range(2):
+                        for e in range(2):  # o[2 sp + h][2 i + e] -> column 16 sp + 4 t + 2 e + h (col_pair)
+                            out[g + 8 * i, sp * 16 + 4 * t + 2 * e + h] = c[g + 8 * i, 2 * t + e]
+        assert np.array_equal(out, p @ kv[:, cq * 128:cq * 128 + 128])
+
+
+def test_bf16_swizzled_ldmatrix_conflict_free():
+    """The 16-bit tile's ldmatrix addresses (Q K^T and the transposed V reads) through the 128 B swizzle."""
+    base = 2 * 1024
+    for np_ in range(2):
+        for d0 in range(0, 576, 16):
+            addrs = [_swz(base + (np_ * 16 + (ln >> 4) * 8 + (ln & 7)) * 1152 + (d0 + ((ln >> 3) & 1) * 8) * 2, False)
+                     for ln in range(32)]
+            assert all(len({(addrs[8 * m + r] >> 4) & 7 for r in range(8)}) == 8 for m in range(4))
+    for kk in range(2):
+        for col in range(0, 512, 16):
+            addrs = [_swz(base + (kk * 16 + ((ln >> 3) & 1) * 8 + (ln & 7)) * 1152 + (col + (ln >> 4) * 8) * 2, False)
+                     for ln in range(32)]
+            assert all(len({(addrs[8 * m + r] >> 4) & 7 for r in range(8)}) == 8 for m in range(4))
 
 
 def test_launch_structs_layout():

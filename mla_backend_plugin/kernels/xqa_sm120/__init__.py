@@ -1,4 +1,4 @@
-"""XQA-style MLA decode in CUDA C++ (csrc/xqa_mla): mma.sync + cp.async, for SM120/SM121, also built for sm_90a.
+"""XQA-style MLA decode in CUDA C++ (csrc/xqa_mla): mma.sync + TMA, for SM120/SM121, also built for sm_90a.
 
 ``build.py`` compiles the sources with nvcc into a cached cubin per architecture; ``cuda_driver.py`` loads it
 through the CUDA driver API (ctypes, no torch C++ extension); ``launch.py`` holds the registry entry points.

@@ -31,14 +31,27 @@ ARCHS = {
 SOURCE_NAME = "xqa_mla.cu"
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v", "--expt-relaxed-constexpr")
 # kernel entry points in the cubin (unmangled)
-SPLIT_KERNELS = {  # (compute dtype, KV is fp8) -> name
-    ("bf16", False): "xqa_mla_split_bf16_kv16",
-    ("bf16", True): "xqa_mla_split_bf16_kv8",
-    ("fp16", False): "xqa_mla_split_fp16_kv16",
-    ("fp16", True): "xqa_mla_split_fp16_kv8",
+SPLIT_KERNELS = {  # (compute dtype, KV is fp8, q is fp8) -> name
+    ("bf16", False, False): "xqa_mla_split_bf16_kv16",
+    ("bf16", False, True): "xqa_mla_split_bf16_kv16",  # an fp8 q is widened to the compute dtype on load
+    ("fp16", False, False): "xqa_mla_split_fp16_kv16",
+    ("fp16", False, True): "xqa_mla_split_fp16_kv16",
+    ("bf16", True, False): "xqa_mla_split_bf16_kv8",  # fp8 mma; the 16-bit q is quantised as e4m3 hi + lo
+    ("fp16", True, False): "xqa_mla_split_fp16_kv8",
+    ("bf16", True, True): "xqa_mla_split_fp8_kv8",  # fp8 mma on the fp8 q as it is (out dtype: a runtime flag)
+    ("fp16", True, True): "xqa_mla_split_fp8_kv8",
 }
+SPLIT_KERNEL_NAMES = tuple(dict.fromkeys(SPLIT_KERNELS.values()))
+FP8_KV_KERNELS = tuple(n for n in SPLIT_KERNEL_NAMES if n.endswith("_kv8"))
 COMBINE_KERNEL = "xqa_mla_combine"
-KERNEL_NAMES = tuple(SPLIT_KERNELS.values()) + (COMBINE_KERNEL,)
+KERNEL_NAMES = SPLIT_KERNEL_NAMES + (COMBINE_KERNEL,)
+# SASS every build must show (cuobjdump -sass): each split kernel loads KV by TMA (UTMALDG); on SM120/121 the
+# fp8-cache kernels run the native e4m3 mma (QMMA.16832.F32.E4M3.E4M3). sm_90a has no fp8 mma.sync: there the
+# kernel emulates it with f16 HMMA, which the check requires instead.
+NATIVE_FP8_MMA_ARCHS = ("sm_120a", "sm_121a")
+SASS_TMA = r"\bUTMALDG\b"
+SASS_FP8_MMA = r"\bQMMA\.16832\.F32\.E4M3\.E4M3\b"
+SASS_F16_MMA = r"\bHMMA\.16816\.F32\b"
 
 NVCC_ENV_VAR = "CUTE_MLA_NVCC"
 CACHE_ENV_VAR = "CUTE_MLA_XQA_CACHE"
@@ -208,13 +221,93 @@ def dynamic_smem_bytes(kernel: str) -> int:
     return 0 if kernel == COMBINE_KERNEL else header_constants()["XQA_MLA_SMEM_BYTES"]
 
 
+def _disassemblers(nvcc: str | None) -> list[list[str]]:
+    """Commands that print a cubin's SASS, best first: nvdisasm beside nvcc or on PATH or from the nvidia-*-cu13
+    wheels (new enough to decode sm_121), then Triton's bundled nvdisasm / cuobjdump (CUDA 12.8: up to sm_120)."""
+    found: list[list[str]] = []
+
+    def add(path: str | None, *args: str) -> None:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK) and [path, *args] not in found:
+            found.append([path, *args])
+
+    if nvcc:
+        add(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "nvdisasm"), "-c")
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            add(os.path.join(os.environ[var], "bin", "nvdisasm"), "-c")
+    add(shutil.which("nvdisasm"), "-c")
+    try:
+        import nvidia  # namespace package of the CUDA wheels (nvidia/cu13/bin/nvdisasm)
+
+        for root in getattr(nvidia, "__path__", []):
+            for cand in sorted(Path(root).glob("*/bin/nvdisasm"), reverse=True):
+                add(str(cand), "-c")
+    except ImportError:
+        pass
+    try:
+        import triton.backends.nvidia as triton_nvidia
+
+        tbin = os.path.join(os.path.dirname(triton_nvidia.__file__), "bin")
+        add(os.path.join(tbin, "nvdisasm"), "-c")
+        add(os.path.join(tbin, "cuobjdump"), "-sass")
+    except ImportError:
+        pass
+    add(shutil.which("cuobjdump"), "-sass")
+    return found
+
+
+def sass_by_kernel(cubin: Path, nvcc: str | None = None) -> dict[str, str]:
+    """SASS text of every kernel in ``cubin``, from the first disassembler that decodes its architecture."""
+    errors = []
+    for cmd in _disassemblers(nvcc):
+        proc = subprocess.run([*cmd, str(cubin)], capture_output=True, text=True, check=False)
+        text = proc.stdout
+        if proc.returncode != 0 or "Cannot decode" in proc.stderr + text:
+            errors.append(f"{os.path.basename(cmd[0])}: {(proc.stderr or text).strip()[:200]}")
+            continue
+        # nvdisasm: '.text.<name>' sections; cuobjdump: 'Function : <name>'
+        marker = r"^\s*\.section\s+\.text\.(\w+)" if cmd[-1] == "-c" else r"^\s*Function\s*:\s*(\w+)"
+        parts = re.split(marker, text, flags=re.MULTILINE)
+        out: dict[str, str] = {}
+        for name, body in zip(parts[1::2], parts[2::2]):
+            out[name] = out.get(name, "") + body
+        if out:
+            return out
+        errors.append(f"{os.path.basename(cmd[0])}: no kernel found in the listing")
+    raise XqaBuildError("no disassembler could read the cubin (nvdisasm / cuobjdump of CUDA >= 12.8; sm_121a "
+                        "needs a CUDA 13 nvdisasm): " + "; ".join(errors or ["none found"]))
+
+
+def sass_problems(name: str, arch: str, sass: str) -> list[str]:
+    """What the SASS of kernel ``name`` built for ``arch`` lacks (empty when it is as designed)."""
+    problems = []
+    if name in SPLIT_KERNEL_NAMES:
+        if not re.search(SASS_TMA, sass):
+            problems.append("no UTMALDG (TMA load) in the SASS")
+        if name in FP8_KV_KERNELS:
+            if arch in NATIVE_FP8_MMA_ARCHS:
+                if not re.search(SASS_FP8_MMA, sass):
+                    problems.append("no native fp8 mma (QMMA.16832.F32.E4M3.E4M3) in the SASS")
+                if re.search(r"\bHMMA\.", sass):
+                    problems.append("HMMA in an fp8-cache kernel (the fp8 mma fell back to f16)")
+            elif not re.search(SASS_F16_MMA, sass):
+                problems.append("no f16 HMMA (the emulated fp8 mma) in the SASS")
+    spill_ops = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass))
+    if spill_ops:
+        problems.append(f"{spill_ops} local-memory loads/stores (STL/LDL) in the SASS")
+    return problems
+
+
 def compile_variants(arch: str):
-    """Build for ``arch`` and report every kernel (mla_backend_plugin.compile's contract)."""
+    """Build for ``arch`` and report every kernel (mla_backend_plugin.compile's contract): registers, shared
+    memory, spills; a kernel fails if it spills or if its SASS lacks the TMA load or (fp8 caches on
+    sm_120a/sm_121a) the native fp8 mma."""
     from mla_backend_plugin.compile import VariantResult
 
     t0 = time.time()
     try:
         res = build(arch)
+        sass = sass_by_kernel(res.cubin, find_nvcc())
     except (XqaBuildError, ValueError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return [VariantResult(f"xqa {name}", False, seconds=time.time() - t0, error=first) for name in KERNEL_NAMES]
@@ -226,7 +319,10 @@ def compile_variants(arch: str):
         if k is None:
             results.append(VariantResult(label, False, seconds=res.seconds, error="kernel missing from ptxas output"))
             continue
-        results.append(VariantResult(label, True, registers=k["registers"],
+        problems = sass_problems(name, arch, sass.get(name, "")) if name in sass else ["kernel missing from SASS"]
+        if k["spills"] or k["stack"]:
+            problems.append(f"spills: {k['spills']} B, stack frame {k['stack']} B")
+        results.append(VariantResult(label, not problems, registers=k["registers"],
                                      shared_bytes=k["shared"] + dynamic_smem_bytes(name),
-                                     spill_bytes=k["spills"], seconds=res.seconds))
+                                     spill_bytes=k["spills"], seconds=res.seconds, error="; ".join(problems)))
     return results

@@ -17,6 +17,15 @@ import threading
 CUDA_SUCCESS = 0
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# cuda.h enums of cuTensorMapEncodeTiled
+CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0
+CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_SWIZZLE_128B = 0, 1, 2, 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
+TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGN = 64
 
 
 class CudaDriverError(RuntimeError):
@@ -64,6 +73,10 @@ def _lib():
                 "cuModuleGetFunction": [pp, vp, ctypes.c_char_p],
                 "cuFuncSetAttribute": [vp, ctypes.c_int, ctypes.c_int],
                 "cuLaunchKernelEx": [ctypes.POINTER(CUlaunchConfig), vp, pp, pp],
+                "cuTensorMapEncodeTiled": [vp, ctypes.c_int, ctypes.c_uint, vp, ctypes.POINTER(ctypes.c_uint64),
+                                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint),
+                                           ctypes.POINTER(ctypes.c_uint), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int],
             }
             for name, argtypes in signatures.items():
                 fn = getattr(lib, name)
@@ -146,3 +159,36 @@ def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int
     _check(lib, lib.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(function),
                                      ctypes.cast(arg_ptrs, ctypes.POINTER(ctypes.c_void_p)), None),
            "cuLaunchKernelEx")
+
+
+class TensorMap:
+    """A CUtensorMap (128 opaque bytes, 64-byte aligned as the driver requires) encoded by cuTensorMapEncodeTiled.
+
+    ``param`` is a ctypes object over the aligned bytes, to pass by value as a ``const __grid_constant__
+    CUtensorMap`` kernel parameter (``launch(..., params=[struct, tmap.param])``). The map holds the global
+    address: it stays valid as long as that memory does, and a CUDA graph that captured a launch keeps its own
+    copy of the bytes (kernel parameters are captured by value).
+    """
+
+    def __init__(self, data_type: int, global_address: int, dims, strides_bytes, box, swizzle: int,
+                 l2_promotion: int = CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                 oob_fill: int = CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE):
+        rank = len(dims)
+        if not (len(strides_bytes) == rank - 1 and len(box) == rank):
+            raise ValueError(f"tensor map of rank {rank} needs {rank - 1} strides and {rank} box sizes")
+        self.dims, self.strides, self.box, self.swizzle = tuple(dims), tuple(strides_bytes), tuple(box), swizzle
+        self._buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
+        addr = ctypes.addressof(self._buf)
+        addr += -addr % TENSOR_MAP_ALIGN
+        self.param = (ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8)).from_address(addr)
+        lib = _lib()
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint
+        _check(lib, lib.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(addr), data_type, rank, ctypes.c_void_p(global_address), (u64 * rank)(*dims),
+            (u64 * max(rank - 1, 1))(*strides_bytes), (u32 * rank)(*box), (u32 * rank)(*([1] * rank)),
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, l2_promotion, oob_fill),
+            f"cuTensorMapEncodeTiled(dims={list(dims)}, strides={list(strides_bytes)}, box={list(box)}, "
+            f"swizzle={swizzle})")
+
+    def raw(self) -> bytes:
+        return bytes(self.param)

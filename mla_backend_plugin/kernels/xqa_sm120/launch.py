@@ -7,6 +7,12 @@ nothing synchronises, so a call is CUDA-graph safe once the cubin is loaded (the
 
 PDL (programmatic dependent launch) is on by default; ``CUTE_MLA_PDL=0`` (or ``launch(..., pdl=False)``)
 launches without the attribute. The kernels are correct either way (griddepcontrol.wait is a no-op without it).
+
+The split kernels read the KV cache by TMA through a CUtensorMap (``kv_tensor_map``): a 4-D view of the cache
+[pages, tokens, 9 chunks, 64 columns] with one box per page slice, swizzled. Encoding one costs a driver call,
+so maps are cached by the cache tensor's (device, address, shape, strides, dtype); a captured CUDA graph keeps
+the map's bytes by value, so it stays valid for as long as the cache tensor lives (vLLM's caches live for the
+whole run).
 """
 
 from __future__ import annotations
@@ -67,8 +73,71 @@ def unsupported_reason(args, cc: tuple[int, int] | None) -> str | None:
     kv = args.kv_cache
     es = kv.element_size()
     if kv.data_ptr() % 16 or (kv.stride(0) * es) % 16 or (kv.stride(1) * es) % 16:
-        return "kv_cache must be 16-byte aligned with 16-byte aligned page and token strides (cp.async gathers)"
+        return "kv_cache must be 16-byte aligned with 16-byte aligned page and token strides (TMA loads)"
+    if kv.shape[1] not in TMA_PAGE_SIZES:
+        return f"block size {kv.shape[1]} not supported (TMA page slices need one of {TMA_PAGE_SIZES})"
     return None
+
+
+# Page sizes the kernel's tile of 32 keys splits into whole TMA boxes (one box of 32 rows, or two of 16).
+TMA_PAGE_SIZES = (16, 32, 64, 128)
+KV_COLUMN_CHUNK = 64  # columns per swizzle row: 128 B (16-bit) or 64 B (fp8), the swizzle span
+
+
+def kv_tensor_map_spec(kv: torch.Tensor, block_n: int = 32) -> dict:
+    """Arguments of cuTensorMapEncodeTiled for the KV cache ``[num_blocks, page_size, 576]`` (no driver needed).
+
+    Dimensions, innermost first: 64 columns, 9 chunks of them, tokens of a page, pages. A box is one page slice
+    of min(page_size, block_n) tokens x all 576 columns; it lands in shared memory as dense rows of 576
+    values, each 64-column chunk swizzled (128 B swizzle for 16-bit rows, 64 B for fp8 ones) so that ldmatrix
+    over 8 consecutive keys is conflict-free. Page coordinate -1 (or any out-of-range page) loads zeros.
+    """
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver as cd
+
+    num_blocks, page_size, width = kv.shape
+    es = kv.element_size()
+    if width % KV_COLUMN_CHUNK or kv.stride(2) != 1:
+        raise ValueError(f"kv_cache rows must be {KV_COLUMN_CHUNK}-column chunks with a contiguous last dim")
+    fp8 = kv.dtype == FP8_DTYPE
+    return {
+        "data_type": cd.CU_TENSOR_MAP_DATA_TYPE_UINT8 if fp8 else cd.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        "dims": (KV_COLUMN_CHUNK, width // KV_COLUMN_CHUNK, page_size, num_blocks),
+        "strides_bytes": (KV_COLUMN_CHUNK * es, kv.stride(1) * es, kv.stride(0) * es),
+        "box": (KV_COLUMN_CHUNK, width // KV_COLUMN_CHUNK, min(page_size, block_n), 1),
+        "swizzle": cd.CU_TENSOR_MAP_SWIZZLE_64B if fp8 else cd.CU_TENSOR_MAP_SWIZZLE_128B,
+    }
+
+
+_TMAPS: dict[tuple, object] = {}  # (device, address, shape, strides, dtype) -> cuda_driver.TensorMap
+_TMAPS_MAX = 4096  # one per layer's cache in a model; cleared when full (captured graphs keep their own copies)
+
+
+def tensor_map_key(kv: torch.Tensor) -> tuple:
+    return (kv.device.index, kv.data_ptr(), tuple(kv.shape), tuple(kv.stride()), kv.dtype)
+
+
+def kv_tensor_map(kv: torch.Tensor, block_n: int = 32):
+    """The cached CUtensorMap of ``kv`` (encoded on first use)."""
+    from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver
+
+    key = tensor_map_key(kv) + (block_n,)
+    tmap = _TMAPS.get(key)
+    if tmap is None:
+        with _LOCK:
+            tmap = _TMAPS.get(key)
+            if tmap is None:
+                if len(_TMAPS) >= _TMAPS_MAX:
+                    _TMAPS.clear()
+                tmap = _TMAPS[key] = cuda_driver.TensorMap(global_address=kv.data_ptr(),
+                                                           **kv_tensor_map_spec(kv, block_n))
+    return tmap
+
+
+def split_kernel_name(compute_dtype: torch.dtype, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> str:
+    """The split kernel for a call: 16-bit caches by compute dtype (an fp8 q is widened); fp8 caches by q."""
+    kv8 = kv_dtype == FP8_DTYPE
+    q8 = kv8 and q_dtype == FP8_DTYPE
+    return build.SPLIT_KERNELS[(_DTYPE_NAME[compute_dtype], kv8, q8)]
 
 
 class _Loaded:
@@ -76,7 +145,7 @@ class _Loaded:
         self.build = module
         self.module = cuda_module
         smem = build.header_constants()["XQA_MLA_SMEM_BYTES"]
-        self.split = {k: cuda_module.function(name, smem) for k, name in build.SPLIT_KERNELS.items()}
+        self.split = {name: cuda_module.function(name, smem) for name in set(build.SPLIT_KERNELS.values())}
         self.combine = cuda_module.function(build.COMBINE_KERNEL)
         self.smem = smem
 
@@ -153,12 +222,13 @@ def launch(args, workspace, pdl: bool | None = None) -> None:
         int(args.q_dtype == FP8_DTYPE), int(out.dtype == torch.bfloat16), int(out_vec2),
     )
     assert out.shape[-1] == KV_LORA_RANK
-    fn = loaded.split[(_DTYPE_NAME[args.compute_dtype], kv.dtype == FP8_DTYPE)]
+    fn = loaded.split[split_kernel_name(args.compute_dtype, kv.dtype, args.q_dtype)]
     stream = torch.cuda.current_stream(device).cuda_stream
     m_blocks = -(-rows // c["XQA_MLA_BLOCK_M"])
     with torch.cuda.device(device):
+        tmap = kv_tensor_map(kv, c["XQA_MLA_BLOCK_N"])
         cuda_driver.launch(fn, (m_blocks, plan.num_splits, batch), (c["XQA_MLA_THREADS"], 1, 1), loaded.smem,
-                           stream, p, pdl=pdl)
+                           stream, [p, tmap.param], pdl=pdl)
         if plan.num_splits > 1:
             cuda_driver.launch(loaded.combine, (rows, batch, 1), (c["XQA_MLA_COMBINE_THREADS"], 1, 1), 0, stream,
                                p, pdl=pdl)
