@@ -634,7 +634,7 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
                 needed = max(needed, rows)
             ws.check_fits(batch, q_len, heads, torch.device("cpu"))
     assert ws.partial_rows == needed
-    assert ws.nbytes == ws.partial_out.numel() * 4 + ws.partial_lse.numel() * 4
+    assert ws.nbytes == (ws.partial_out.numel() + ws.partial_lse.numel() + ws.split_index.numel()) * 4
     assert "MLAWorkspace(" in repr(ws)
     if max_splits == 1:
         assert ws.partial_rows == 0 and ws.partial_out.shape[0] == 1

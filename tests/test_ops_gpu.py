@@ -273,6 +273,40 @@ def test_padded_requests(batch, q_len, heads, bs):
     assert torch.isneginf(lse).all() and (out == 0).all()
 
 
+@pytest.mark.parametrize("batch,q_len,heads,kv_kind", [
+    pytest.param(129, 1, 128, "bf16", id="B129-q1-h128-bf16"),
+    pytest.param(40, 2, 128, "fp8", id="B40-q2-h128-fp8"),
+    pytest.param(8, 1, 16, "bf16", id="B8-q1-h16-bf16"),
+])
+def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
+    """A 33k-token request in a batch of ~200-token ones (and a padded slot): correct output, and for the
+    kernels that run the balanced split plan the split list the kernel wrote for the combine is exactly
+    ops/workspace.py balanced_schedule's (the long request split even when the batch fills the GPU)."""
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
+    from mla_backend_plugin.ops.workspace import balanced_schedule
+
+    bs = 64
+    seed = _seed("one-long", batch, q_len, heads, kv_kind)
+    lens = draw_seq_lens(batch, 200, block_size=bs, seed=seed)
+    lens[batch // 2] = 33001
+    lens[1] = 0
+    fp8 = kv_kind == "fp8"
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, "pair", DEVICE, seed,
+                             kv_scale=3.0 if fp8 else None)
+    ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads)
+    ws.split_index.fill_(-7)
+    _check(inp, workspace=ws)
+    if KERNEL != "cute_sm90":
+        return  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
+    plan = ws.plan(batch, q_len, balanced=True)
+    sched = balanced_schedule(lens, CUTE_BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
+    assert sched.splits[batch // 2] > 1, sched.splits
+    expected = [len(sched.split_requests)]
+    for b in sched.split_requests:
+        expected += [b, sched.slot_base[b], sched.splits[b]]
+    assert ws.split_index[:len(expected)].tolist() == expected
+
+
 @pytest.mark.parametrize("q_form,kv_dtype,q_len", [("pair", BF16, 1), ("fp8", FP8, 2)])
 def test_block_size_128(q_form, kv_dtype, q_len):
     seed = _seed("bs128", q_form)

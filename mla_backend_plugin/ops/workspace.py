@@ -7,10 +7,10 @@ it was made for. Nothing is allocated per call, so a CUDA graph captured once re
 Split-KV planning is two-level so that it stays correct under graph replay: the host fixes the grid from
 shapes alone (vLLM captures one graph per batch size), the device decides from seq_lens. Two device plans exist:
 
-* the uniform plan (``balanced=False``; cute_sm90 and xqa_sm120 until they are ported): the host's
+* the uniform plan (``balanced=False``; xqa_sm120 until it is ported): the host's
   ``num_splits(batch, q_len)`` is the grid's z size, 1 once the batch fills the GPU, and each request takes
   ``min(num_splits, cdiv(seq_len, min_chunk))`` of those splits (``uniform_request_splits``);
-* the balanced plan (``balanced=True``; the Triton kernel): the grid enumerates work items, every CTA reads all
+* the balanced plan (``balanced=True``; Triton and cute_sm90): the grid enumerates work items, every CTA reads all
   seq_lens and derives the same schedule, which gives each request a number of equal chunks proportional to
   its share of the batch's KV tiles, so one long request in a batch of short ones is split even at large
   batch sizes while a uniform batch that fills the GPU is not split at all (``balanced_schedule`` documents
@@ -323,8 +323,7 @@ class MLAWorkspace:
 
     @property
     def nbytes(self) -> int:
-        # the partial and output buffers (split_index, at most 1 + 3 * 64 int32, is left out)
-        owned = [self.partial_out, self.partial_lse, self.out_buffer, self.lse_buffer]
+        owned = [self.partial_out, self.partial_lse, self.split_index, self.out_buffer, self.lse_buffer]
         return sum(t.numel() * t.element_size() for t in owned if t is not None)
 
     def __repr__(self) -> str:

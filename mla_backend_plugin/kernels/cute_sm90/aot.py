@@ -47,7 +47,7 @@ RUNTIME_NAME = "libcute_dsl_runtime.so"
 FORMAT = 1  # layout of an entry; part of the key
 DSL_DIST, TVM_FFI_DIST = "nvidia-cutlass-dsl", "apache-tvm-ffi"
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = ("kernel.py", "config.py", "launch.py")  # launch.py: the compiled signature (compile_variant)
+_SOURCES = ("kernel.py", "kernel_fp8mma.py", "config.py", "launch.py")  # launch.py: the compiled signature (compile_variant)
 PREBUILD_HINT = ("pre-build it where nvidia-cutlass-dsl is installed with `python -m mla_backend_plugin.compile "
                  "--arch sm_90a --kernels cute_sm90 --export-dir DIR` and copy DIR here "
                  f"({CACHE_ENV_VAR}=DIR), or pip install nvidia-cutlass-dsl to compile it on first use")

@@ -1,6 +1,7 @@
 """Ahead-of-time build of the CuTe-DSL SM90 kernel's variants with no GPU (``python -m mla_backend_plugin.compile
 --arch sm_90a``): each variant is compiled for sm_90a, its cubin is inspected with cuobjdump, and a variant
-fails unless the SASS holds wgmma (HGMMA), TMA loads (UTMALDG) for 16-bit caches, and no local-memory
+fails unless the SASS holds wgmma (HGMMA; e4m3 QGMMA and no HGMMA for the fp8-wgmma design), TMA loads
+(UTMALDG) for 16-bit caches and that design, and no local-memory
 spills (STL/LDL, non-zero stack)."""
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ def serving_variants() -> list[Variant]:
     """What DeepSeek deployments on vLLM call: bf16 q/out, bf16 or fp8 cache (vLLM passes the fp8 scale as a
     device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64; plus the other
     page sizes, fp16 and an fp8 q at one shape each."""
-    out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8")
+    out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8")
            for kv, h, q in itertools.product(("bf16", "fp8"), (16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("bf16", "bf16", "bf16", 128, 1, bs, False, False) for bs in (16, 32, 128)]
-    out += [Variant("fp8", "bf16", "bf16", 128, 2, bs, False, True) for bs in (16, 128)]
+    out += [Variant("fp8", "bf16", "bf16", 128, 2, bs, False, True, fp8_mma=True) for bs in (16, 128)]
     out += [Variant("fp16", "fp16", "fp16", 128, 1, 64, False, False),
-            Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True)]
+            Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True)]
+    # design A of the fp8 path (CUTE_MLA_FP8_DESIGN=dequant) at the main shapes
+    out += [Variant("fp8", "bf16", "bf16", 128, q, 64, False, True, fp8_mma=False) for q in (1, 2)]
+    out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
     return out
 
 
@@ -56,7 +60,8 @@ def inspect_cubin(path: str) -> dict:
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
     num = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else None  # noqa: E731
     return dict(registers=num("REG"), stack=num("STACK"), local=num("LOCAL"), shared_static=num("SHARED"),
-                hgmma=len(re.findall(r"\bHGMMA\.", sass)), utmaldg=len(re.findall(r"\bUTMALDG", sass)),
+                hgmma=len(re.findall(r"\bHGMMA\.", sass)), qgmma=len(re.findall(r"\bQGMMA\.", sass)),
+                utmaldg=len(re.findall(r"\bUTMALDG", sass)),
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
 
@@ -94,9 +99,12 @@ def _build_one(variant: Variant, arch: str):
             return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)
     problems = []
-    if info["hgmma"] == 0:
+    if variant.fp8_mma:  # design B: both products as e4m3 wgmma, nothing in 16 bits
+        if info["qgmma"] == 0 or info["hgmma"]:
+            problems.append(f"fp8 wgmma expected: {info['qgmma']} QGMMA, {info['hgmma']} HGMMA in the SASS")
+    elif info["hgmma"] == 0:
         problems.append("no HGMMA (wgmma) in the SASS")
-    if variant.kv_dtype != "fp8" and info["utmaldg"] == 0:
+    if (variant.kv_dtype != "fp8" or variant.fp8_mma) and info["utmaldg"] == 0:
         problems.append("no UTMALDG (TMA load) in the SASS")
     if spills or info["spill_ops"]:
         problems.append(f"spills: stack {info['stack']} B, local {info['local']} B, {info['spill_ops']} STL/LDL")

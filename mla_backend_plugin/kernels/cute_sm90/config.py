@@ -35,6 +35,9 @@ class Variant:
     block_size: int
     q_scale_is_ptr: bool
     kv_scale_is_ptr: bool
+    # fp8 caches only: True = "design B" (kernel_fp8mma.py: fp8 wgmma on the fp8 tile, q quantised to e4m3
+    # hi + lo, V transposed in shared memory), False = "design A" (kernel.py: widen the tile to 16 bits)
+    fp8_mma: bool = False
 
     @property
     def compute_dtype(self) -> str:
@@ -43,8 +46,9 @@ class Variant:
     @property
     def name(self) -> str:
         scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
+        design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
         return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
-                f"q={self.q_dtype} out={self.out_dtype} {scales}")
+                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}")
 
 
 def m_blocks(num_heads: int, q_len: int) -> int:
@@ -53,8 +57,11 @@ def m_blocks(num_heads: int, q_len: int) -> int:
 
 def shared_bytes(variant: Variant | None = None) -> int:
     """Dynamic shared memory of one CTA: mbarriers and the two groups' exchanged row statistics (padded to the
-    1 KB swizzle alignment), P, Q, the KV ring. Every variant stages 16-bit tiles (fp8 caches are widened on
-    the way in), so the size is the same."""
+    1 KB swizzle alignment), P, Q, the KV ring. Design A stages 16-bit tiles (fp8 caches widened on the way
+    in); design B keeps P, Q (hi and lo, unless q is fp8) and the KV tiles in e4m3 plus a V^T ring."""
+    if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma:
+        q_parts = 1 if variant.q_dtype == "fp8" else 2
+        return 2048 + BLOCK_M * BLOCK_N + q_parts * BLOCK_M * 576 + KV_STAGES * BLOCK_N * (576 + 512)
     return 2048 + BLOCK_M * BLOCK_N * 2 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2
 
 

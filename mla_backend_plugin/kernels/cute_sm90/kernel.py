@@ -1,26 +1,28 @@
 """CuTe-DSL MLA decode kernel for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV.
 
-One CTA = one request x 64 query rows (q_len x heads folded into M, row r = token r // H, head r % H) x one KV
-split (planned like the Triton kernel: the host fixes the grid from the batch size, the device trims the
-splits of each request from its seq_len, so a captured CUDA graph stays correct). 384 threads:
+One CTA = one work item of the balanced split plan (a request, or one equal chunk of a long request) x 64
+query rows (q_len x heads folded into M, row r = token r // H, head r % H). The grid is (m-blocks, work
+items) and is fixed by shapes alone; every CTA derives its item from all of seq_lens on the device
+(``work_item``, the formula of ops/workspace.py ``balanced_schedule``), so a captured CUDA graph replays
+correctly with new lengths, and one long request among short ones is split even when the batch fills the GPU.
+384 threads:
 
 * warp group 0 produces KV tiles of 64 keys x 576 into a 2-stage ring. 16-bit caches: warp 0 issues TMA
   boxes of (min(block_size, 64) rows x 64 columns) page by page through the block table (9 boxes per page
   slice, one per 64-column chunk of the 128B-swizzled K-major tile). fp8 caches: all 128 threads load the
   tile with 16-byte global loads and widen e4m3 to the 16-bit compute dtype in shared memory (exact; the
   scales are folded into the softmax scale and the output), so the MMA path is the same as for bf16.
-* warp groups 1 and 2 are consumers. Each computes S = Q K^T for the tile (SS wgmma, K = 576) and its
-  softmax, then P V for its own 256 of the 512 output columns (RS wgmma: P from registers; V is the same
-  shared-memory tile read through an MN-major view, no copy). S is computed by both groups: it costs 53%
-  more tensor work than exchanging P through shared memory, but needs no cross-group synchronisation
-  (a first version; docs/design/sm90_cute_mla.md describes the seesaw schedule that removes it).
+* warp groups 1 and 2 are consumers. For S = Q K^T group 1 computes the tile's keys 0..31 and group 2 keys
+  32..63 (SS wgmma, K = 576, the last Q_REG_CHUNKS chunks of Q from registers); they exchange per-row maxima
+  through shared memory, each writes its half of P (16-bit) to shared memory, and each computes P V for its
+  256 of the 512 output columns (SS wgmma; V is the KV stage read through an MN-major view, no copy).
 * Q (64 x 576) is loaded once by the consumers into 128B-swizzled shared memory (fp8 q widened there).
 
 Softmax runs in the log2 domain with the q/kv dequantisation scales folded into the logit scale; out is
-multiplied by kv_scale. With one split the kernel writes out (bf16/fp16) and the natural-log LSE; with more it
-writes fp32 partials (normalised O, log2 LSE) in the Triton kernel's workspace layout and the shared combine
-kernel (kernels/triton_decode) merges them. PDL: griddepcontrol.wait before the first global read, and
-launch_dependents after the last store.
+multiplied by kv_scale. An unsplit item writes out (bf16/fp16) and the natural-log LSE; a split item writes
+fp32 partials (normalised O, log2 LSE) to its slot of the workspace, and the balanced combine kernel
+(kernels/triton_decode) merges them using the split list this kernel writes. PDL: griddepcontrol.wait
+before the first global read, launch_dependents after the last store.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class Sm90MlaDecode:
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
                  mSeq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
-                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, num_splits: cutlass.Int32,
-                 min_chunk: cutlass.Int32, stream: cuda.CUstream):
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
+                 num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+                 grid_items: cutlass.Int32, stream: cuda.CUstream):
         cd = self.cdtype
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
@@ -130,12 +133,13 @@ class Sm90MlaDecode:
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel(qk_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
-                    mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, min_chunk, q_layout,
-                    kv_layout, p_layout, v_layout_one.inner, v_outer).launch(
-            # the m-blocks of one request and split are adjacent in launch order, so they run at the same
-            # time and all but the first read the request's KV from L2: at 128 heads (2 m-blocks, 4 with
-            # q_len 2) this halves (quarters) HBM traffic against a batch-major order
-            grid=(m_blocks, mSeq.shape[0], num_splits), block=[NUM_THREADS, 1, 1], stream=stream,
+                    mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
+                    min_chunk, work_target, q_layout, kv_layout, p_layout, v_layout_one.inner, v_outer).launch(
+            # grid (m-blocks, work items of the balanced plan): the m-blocks of one work item are adjacent in
+            # launch order, so they run at the same time and all but the first read the item's KV from L2
+            # (at 128 heads 2 m-blocks, 4 with q_len 2: half / a quarter of the HBM traffic of an item-major
+            # order)
+            grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
 
     # ------------------------------------------------------------------------------------------------
@@ -147,10 +151,11 @@ class Sm90MlaDecode:
                mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                mKVScale: cute.Tensor,
                q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
-               num_splits: cutlass.Int32, min_chunk: cutlass.Int32, q_layout: cute.ComposedLayout,
+               mSplitIndex: cute.Tensor, num_splits: cutlass.Int32, min_chunk: cutlass.Int32,
+               work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
-        mblk, b, split = cute.arch.block_idx()
+        mblk, w, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
 
@@ -186,12 +191,11 @@ class Sm90MlaDecode:
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        seq_len = mSeq[b]
-        # device half of split planning (the same formula as kernels/triton_decode _request_splits)
-        n_splits = cutlass.min(cutlass.max((seq_len + min_chunk - 1) // min_chunk, 1), num_splits)
-        chunk = cutlass.max((((seq_len + n_splits - 1) // n_splits) + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
-        n_splits = cutlass.max(cutlass.min(n_splits, (seq_len + chunk - 1) // chunk), 1)
-        if split < n_splits:
+        b1, split, n_splits, chunk = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk,
+                                                    work_target)
+        if b1 > 0:  # else: past the end of the schedule
+            b = b1 - 1
+            seq_len = mSeq[b]
             kv_start = split * chunk
             kv_end = cutlass.min(kv_start + chunk, seq_len)
             n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
@@ -205,12 +209,137 @@ class Sm90MlaDecode:
                                          kv_end, n_tiles)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
-                self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse, mPartO,
-                             mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk,
-                             split,
-                             seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT,
+                             mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
+                             n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def plan_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits, min_chunk,
+                  work_target):
+        """This CTA's work item (request + 1 or 0, split, splits of the request, chunk tokens); the CTAs of
+        m-block 0 also write the combine's list (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of
+        each split request."""
+        b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
+        if tidx == 0 and mblk == 0:
+            if w == 0:
+                mSplitIndex[0] = num_split
+            if split == 0 and n_splits > 1:
+                mSplitIndex[1 + 3 * j] = b1 - 1
+                mSplitIndex[2 + 3 * j] = w
+                mSplitIndex[3 + 3 * j] = n_splits
+        return b1, split, n_splits, chunk
+
+    @cute.jit
+    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
+        """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
+        request; its chunk in tokens; its index j among split requests; J, the number of split requests).
+
+        The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
+        Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
+        step: lane l holds requests 4l..4l+3 of the step, so one warp scan per step gives every request's count
+        of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (a
+        dependent global load costs ~1 us while the other SMs stream KV)."""
+        batch = mSeq.shape[0]
+        lane = cute.arch.lane_idx()
+        # pass 1: T = sum_b tiles_b, then p (tiles per work item)
+        lane_total = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if b < batch:
+                    lane_total = lane_total + cutlass.max((mSeq[b] + BLOCK_N - 1) // BLOCK_N, 1)
+        total = cute.arch.warp_reduction_sum(lane_total)
+        per_work = cutlass.max((min_chunk + BLOCK_N - 1) // BLOCK_N, (total + work_target - 1) // work_target)
+
+        # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
+        # requests), in order of b; totals NS (slots) and J (split requests)
+        hit_b1 = cutlass.Int32(0)
+        hit_split = cutlass.Int32(0)
+        hit_n = cutlass.Int32(0)
+        hit_chunk = cutlass.Int32(0)
+        hit_j = cutlass.Int32(0)
+        num_slots = cutlass.Int32(0)
+        num_split = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
+                mSeq, base, batch, per_work, num_splits, lane)
+            for u in cutlass.range_constexpr(4):
+                first = num_slots + slots_before[u]
+                if n[u] > 1 and first <= w and w < first + n[u]:
+                    hit_b1 = base + 4 * lane + u + 1
+                    hit_split = w - first
+                    hit_n = n[u]
+                    hit_chunk = chunk[u]
+                    hit_j = num_split + splits_before[u]
+            num_slots = num_slots + step_slots
+            num_split = num_split + step_splits
+        # pass 3, for CTAs past the split items: one item per unsplit request (w = NS + #unsplit requests
+        # before b = NS + b - #split requests before b), in order of b
+        if w >= num_slots:
+            splits_so_far = cutlass.Int32(0)
+            for base in cutlass.range(0, batch, 128, unroll=1):
+                n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
+                    mSeq, base, batch, per_work, num_splits, lane)
+                for u in cutlass.range_constexpr(4):
+                    b = base + 4 * lane + u
+                    if b < batch and n[u] == 1 and num_slots + b - (splits_so_far + splits_before[u]) == w:
+                        hit_b1 = b + 1
+                        hit_n = 1
+                        hit_chunk = chunk[u]
+                splits_so_far = splits_so_far + step_splits
+        # at most one lane holds the hit (none past the schedule's end: every lane's zeros are the answer)
+        hits = cute.arch.vote_ballot_sync(hit_b1 > 0)
+        src = cutlass.min(cute.arch.popc((hits & (0 - hits)) - 1), 31)  # the lowest set bit's lane
+        return (cute.arch.shuffle_sync(hit_b1, src), cute.arch.shuffle_sync(hit_split, src),
+                cute.arch.shuffle_sync(hit_n, src), cute.arch.shuffle_sync(hit_chunk, src),
+                cute.arch.shuffle_sync(hit_j, src), num_split)
+
+    @cute.jit
+    def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane):
+        """Requests base + 4 lane + u (u < 4) of one 128-request step of the balanced plan: their splits n_b
+        (0 past the batch) and chunks, the partial slots and split requests before each within the step, and
+        the step's totals. One warp scan of (slots | split requests << 16): a step has at most
+        128 * num_splits < 2^16 slots."""
+        n = [None] * 4
+        chunk = [None] * 4
+        lens = [None] * 4
+        for u in cutlass.range_constexpr(4):
+            seq_len = cutlass.Int32(-1)  # past the batch
+            if base + 4 * lane + u < batch:
+                seq_len = mSeq[base + 4 * lane + u]
+            lens[u] = seq_len
+        packed_before = [None] * 4
+        own = cutlass.Int32(0)
+        for u in cutlass.range_constexpr(4):
+            n_u = cutlass.Int32(0)
+            chunk_u = cutlass.Int32(0)
+            if lens[u] >= 0:
+                tiles = cutlass.max((lens[u] + BLOCK_N - 1) // BLOCK_N, 1)
+                n_u = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
+                ct = (tiles + n_u - 1) // n_u
+                n_u = (tiles + ct - 1) // ct
+                chunk_u = ct * BLOCK_N
+            n[u] = n_u
+            chunk[u] = chunk_u
+            packed_before[u] = own
+            if n_u > 1:
+                own = own + n_u + (1 << 16)
+        incl = own  # inclusive warp scan over the lanes
+        for d in cutlass.range_constexpr(5):
+            # clamp 0: shfl.up's lower lane bound (the default, 31, would return every lane its own value)
+            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
+            if lane >= (1 << d):
+                incl = incl + up
+        step = cute.arch.shuffle_sync(incl, 31)
+        slots_before = [None] * 4
+        splits_before = [None] * 4
+        for u in cutlass.range_constexpr(4):
+            before = incl - own + packed_before[u]
+            slots_before[u] = before & 0xFFFF
+            splits_before[u] = before >> 16
+        return n, chunk, slots_before, splits_before, step & 0xFFFF, step >> 16
 
     @cute.jit
     def produce_tma(self, kv_producer, tma_atom, tma_tensor, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles):
@@ -289,7 +418,7 @@ class Sm90MlaDecode:
 
     @cute.jit
     def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse, mPartO,
-                mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, num_splits, b, mblk, split, seq_len,
+                mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
                 kv_start, kv_end, n_tiles, ctid):
         H = self.v.num_heads
         QL = self.v.q_len
@@ -429,6 +558,20 @@ class Sm90MlaDecode:
             kv_pipe.consumer_release(read_state)
             read_state.advance()
 
+        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
+                          kscale, 1.0, n_splits, b, mblk, w)
+
+    @cute.jit
+    def store_result(self, acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
+                     kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, w):
+        """Epilogue of both consumer groups (either design): add the other group's half of each row sum, then
+        an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its fp32 partial (O / l,
+        log2 LSE) to slot w. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256)."""
+        H = self.v.num_heads
+        QL = self.v.q_len
+        rows = self.rows
+        lane = ctid % 32
+        n_o = cute.size(acc_o)
         # each group summed its own 32 keys of every tile: add the other group's half
         for half in cutlass.range_constexpr(2):
             row_sum[half] = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
@@ -446,11 +589,11 @@ class Sm90MlaDecode:
             i_v = 0.0
             l_v = -cutlass.Float32.inf
             if total > 0.0:
-                i_v = 1.0 / total
+                i_v = o_scale / total
                 l_v = row_max[half] + cute.math.log2(total, fastmath=False)
             inv[half] = i_v
             lse2[half] = l_v
-        if num_splits == 1:
+        if n_splits == 1:
             for v in cutlass.range_constexpr(n_o):
                 half = (v >> 1) & 1
                 r = mblk * BLOCK_M + tOcO[v][0]
@@ -467,12 +610,11 @@ class Sm90MlaDecode:
                 half = (v >> 1) & 1
                 r = mblk * BLOCK_M + tOcO[v][0]
                 if r < rows:
-                    part = (b * rows + r) * num_splits + split
-                    mPartO[(part, tOcO[v][1])] = acc_o[v] * inv[half]
+                    mPartO[(w * rows + r, tOcO[v][1])] = acc_o[v] * inv[half]  # slot w of the plan
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = mblk * BLOCK_M + tScS[2 * half][0]
                     if r < rows:
-                        mPartLse[(b * rows + r) * num_splits + split] = lse2[half]
+                        mPartLse[w * rows + r] = lse2[half]
 
 

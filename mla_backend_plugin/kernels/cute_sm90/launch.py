@@ -19,6 +19,10 @@ from mla_backend_plugin.kernels.cute_sm90.config import Variant
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 
 PDL_ENV_VAR = "CUTE_MLA_PDL"  # "0" launches without programmatic dependent launch
+# fp8 caches: "fp8mma" (design B, kernel_fp8mma.py; default: 1.4-1.5x faster from B=64 on an H100) or
+# "dequant" (design A, kernel.py: 6x smaller error, ~10% faster at B=1); benchmarks/NOTES.md has both
+FP8_DESIGN_ENV_VAR = "CUTE_MLA_FP8_DESIGN"
+FP8_DESIGNS = ("fp8mma", "dequant")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", FP8_DTYPE: "fp8"}
 
 
@@ -60,11 +64,19 @@ def unsupported_reason(args, cc) -> str | None:
     return None
 
 
+def fp8_design() -> str:
+    design = os.environ.get(FP8_DESIGN_ENV_VAR, "fp8mma").strip() or "fp8mma"
+    if design not in FP8_DESIGNS:
+        raise ValueError(f"{FP8_DESIGN_ENV_VAR}={design!r}: allowed {', '.join(FP8_DESIGNS)}")
+    return design
+
+
 def variant_for(args) -> Variant:
+    fp8_mma = args.kv_dtype == FP8_DTYPE and fp8_design() == "fp8mma"
     return Variant(kv_dtype=_DTYPE_NAMES[args.kv_dtype], q_dtype=_DTYPE_NAMES[args.q_dtype],
                    out_dtype=_DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
-                   kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor))
+                   kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma)
 
 
 def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = None, keep_dir: str | None = None):
@@ -74,6 +86,11 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
+
+    if variant.fp8_mma:
+        from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
+    else:
+        kernel_class = Sm90MlaDecode
 
     def sym(div=1):
         return cute.sym_int(divisibility=div)
@@ -98,15 +115,17 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
+    split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     options = ["--enable-tvm-ffi"]
     if arch:
         options.append(f"--gpu-arch {arch}")
     if keep_dir:  # the DSL writes the PTX/cubin there (else into the working directory)
         options.append(f"--keep-ptx --keep-cubin --dump-dir {keep_dir}")
-    op = Sm90MlaDecode(variant, use_pdl=use_pdl)
+    op = kernel_class(variant, use_pdl=use_pdl)
     return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
-                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0),
-                        cutlass.Int32(1), cutlass.Int32(128), make_fake_stream(), options=" ".join(options))
+                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
+                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
+                        make_fake_stream(), options=" ".join(options))
 
 
 ARCH = "sm_90a"
@@ -150,7 +169,10 @@ def launch(args, workspace) -> None:
     use_pdl = pdl_enabled()
     variant = variant_for(args)
     fn = _compiled(variant, use_pdl)
-    plan = workspace.plan(args.batch, args.q_len)
+    plan = workspace.plan(args.batch, args.q_len, balanced=True)
+    # the kernel's schedule packs a 128-request step's partial-slot count into 16 bits (kernel.py schedule_step)
+    if plan.num_splits * 128 >= 1 << 16:
+        raise ValueError(f"cute_sm90: max_splits={plan.num_splits} is too large (allowed <= 511)")
     dummy = workspace.partial_lse[:1]  # stands in for a scale given as a Python float
     q_scale_t = args.q_scale if isinstance(args.q_scale, torch.Tensor) else dummy  # shape (1,): prepare_args
     kv_scale_t = args.kv_scale if isinstance(args.kv_scale, torch.Tensor) else dummy
@@ -159,6 +181,7 @@ def launch(args, workspace) -> None:
     stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
-       softmax_scale_log2(args.softmax_scale), plan.num_splits, plan.min_chunk, stream)
-    if plan.num_splits > 1:
-        launch_combine(args, workspace, plan, block_n=64, use_pdl=use_pdl)
+       softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
+       plan.work_target, plan.grid_items, stream)
+    if plan.has_combine:
+        launch_combine(args, workspace, plan, block_n=64, use_pdl=use_pdl, balanced=True)

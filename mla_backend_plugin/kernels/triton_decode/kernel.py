@@ -338,7 +338,8 @@ def _mla_decode_combine_kernel(
     offs_d = tl.arange(0, D_NOPE)
     acc = tl.zeros([D_NOPE], dtype=tl.float32)
     for s in range(0, n_splits):
-        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)
+        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
+        w_s = tl.exp2(tl.load(part_lse_ptr + base + s) - lse_use)
         acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d)
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     t = row // NUM_HEADS
@@ -385,8 +386,9 @@ def _mla_decode_combine_balanced_kernel(
     offs_d = tl.arange(0, D_NOPE)
     acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
     for s in range(n_splits):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
         row_part = (slot0 + s).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows
+        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
+        w_s = tl.exp2(tl.load(part_lse_ptr + row_part) - lse_use)
         acc += w_s[:, None] * tl.load(part_o_ptr + row_part[:, None] * D_NOPE + offs_d[None, :])
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     tok = b * Q_LEN + rows // NUM_HEADS

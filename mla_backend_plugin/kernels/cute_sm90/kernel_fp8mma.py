@@ -1,0 +1,494 @@
+"""fp8 "design B" of the CuTe-DSL SM90 MLA decode kernel: fp8 e4m3 wgmma on an fp8 KV cache (sm_90a).
+
+Same grid, split handling, softmax and epilogue as ``kernel.Sm90MlaDecode`` (design A, which widens the fp8
+cache to bf16 in shared memory and runs bf16 wgmma); what differs:
+
+* warp 0 of the producer warp group loads each 64-key x 576 fp8 tile with TMA straight from the paged cache
+  (boxes of min(block_size, 64) rows x 64 bytes, 64B swizzle, page by page through the block table; no
+  widening). The whole producer warp group then transposes V (the first 512 columns) into a separate
+  K-major buffer V^T (512 x 64 keys) with 16-byte shared loads, byte permutes (prmt) and 4-byte stores,
+  bank-conflict free on both sides (the thread -> (keys, columns) map and the order of each thread's loads
+  and stores are chosen for that; the permutes absorb the order).
+* Q (bf16) is quantised once per CTA to two e4m3 parts with a per-row scale s = 448 / max|q_row|:
+  hi = e4m3(q s), lo = e4m3(q s - hi); S = (Q_hi + Q_lo) K^T / s (two fp8 SS wgmma per k-step of 32,
+  m64n32k32, into one accumulator). An fp8 q is used as it is (one product, q_scale folded into the logit
+  scale). ``q_split=False`` drops Q_lo (one product; less accurate).
+* P is quantised to e4m3 as P * 256 (the 1/256 is folded into the output normalisation) and stored in
+  shared memory; O += P V^T as fp8 SS wgmma m64n256k32 (each consumer group its 256 output columns).
+
+Barriers per KV stage (raw mbarriers): full_k (TMA bytes), full_v (128 producer threads: V^T written),
+empty_k (256 consumer threads after Q K^T + 128 producer threads after the transpose: the K tile may be
+overwritten), empty_v (256 consumer threads after P V: the V^T stage may be overwritten).
+
+Measured on an H100 (fp8 cache, 128 heads, page 64, CUDA graphs, median): B=128 S=8192 q_len 1 619 us (design
+A 900), q_len 2 1207 (A 1680); B=64 q_len 1 346 (A 486); B=1 S=8192 q_len 1 35.5 (A 32.0). Accuracy vs the
+float32 reference: rel. L2 error ~1.2e-2 (A ~1.8e-3), max |out err| <= 0.043 and LSE err <= 0.01, inside the
+fp8 tolerance (atol 0.15 / LSE 0.05); without Q_lo the LSE error reaches 0.165 and fails.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, Variant
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
+
+F8 = cutlass.Float8E4M3FN
+STAGES = 2
+REGS_CONSUMER_B = 216
+REGS_PRODUCER_B = 72  # 2 x 216 + 72 = 504 = 65536 / 384 rounded down to 8: setmaxnreg.inc waits forever past that
+P_SCALE = 256.0  # P is stored as e4m3(P * 256): probabilities down to 2^-14 stay normal
+Q_FP8_TARGET = 448.0  # per-row q scale: max |q_row| -> 448 (e4m3 max)
+K_STAGE_BYTES = BLOCK_N * D_QK  # 36864
+VT_STAGE_BYTES = D_NOPE * BLOCK_N  # 32768
+
+
+# ---------------------------------------------------------------------------------------------------------
+# raw shared-memory access and byte permutes (the V transpose)
+# ---------------------------------------------------------------------------------------------------------
+@dsl_user_op
+def _lds128(addr, *, loc=None, ip=None):
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+        [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _sts32(addr, val, *, loc=None, ip=None):
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Int32(val).ir_value(loc=loc, ip=ip)],
+        "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _prmt(a, b, sel, *, loc=None, ip=None):
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(),
+        [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(sel).ir_value(loc=loc, ip=ip)],
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
+    """Design B: fp8 wgmma for both products (fp8 KV cache only)."""
+
+    def __init__(self, variant: Variant, use_pdl: bool = True, q_split: bool = True):
+        super().__init__(variant, use_pdl)
+        if variant.kv_dtype != "fp8":
+            raise ValueError("design B is for fp8 caches only")
+        self.q_fp8 = variant.q_dtype == "fp8"
+        # an fp8 q is exact in e4m3: one product, no lo part
+        self.q_parts = 1 if (self.q_fp8 or not q_split) else 2
+
+    # ------------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
+                 mSeq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
+                 num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+                 grid_items: cutlass.Int32, stream: cuda.CUstream):
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        # S = Q K^T: group 1 keys 0..31 of the tile, group 2 keys 32..63 (m64n32k32 e4m3 x e4m3)
+        qk_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                   (BLOCK_M, BLOCK_N // 2))
+        # O += P V: group 1 output columns 0..255, group 2 256..511 (m64n256k32, V^T K-major)
+        pv_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                   (BLOCK_M, D_NOPE // 2))
+        # Q: "stage" 0 = hi, 1 = lo (64 x 576 e4m3 each, 64B swizzle)
+        q_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
+                                                 self.q_parts)
+        p_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8, 1)
+        # K tile (64 keys x 576, K-major, 64B swizzle: 64-column chunks of 4 KB): byte (key n, column c) of
+        # stage s at s * 36864 + (c // 64) * 4096 + n * 64 + (c % 64), 16-byte unit ^= (n >> 1) & 3
+        k_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
+                                                 STAGES)
+        # V^T (512 columns x 64 keys, K-major, 64B swizzle): byte (column d, key k) of stage s at
+        # s * 32768 + d * 64 + k, 16-byte unit ^= (d >> 1) & 3
+        vt_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8,
+                                                  STAGES)
+
+        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        box_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
+            (self.box_rows, 64), order=(0, 1))
+        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv,
+                                                           box_layout, (self.box_rows, 64))
+
+        @cute.struct
+        class SharedStorage:
+            full_k: cute.struct.MemRange[cutlass.Int64, STAGES]
+            full_v: cute.struct.MemRange[cutlass.Int64, STAGES]
+            empty_k: cute.struct.MemRange[cutlass.Int64, STAGES]
+            empty_v: cute.struct.MemRange[cutlass.Int64, STAGES]
+            row_max_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            q_rscale: cute.struct.MemRange[cutlass.Float32, BLOCK_M]
+            sP: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(p_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(k_layout)], 1024]
+            sVt: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(vt_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
+        self.kernel_b(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
+                      mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
+                      min_chunk, work_target, q_layout, k_layout, vt_layout, p_layout).launch(
+            grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel_b(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
+                 mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mOut: cute.Tensor,
+                 mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
+                 mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
+                 sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
+                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
+                 p_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        mblk, w, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sQs = storage.q_rscale.get_tensor(cute.make_layout(BLOCK_M))
+        bars = (storage.full_k.data_ptr(), storage.full_v.data_ptr(), storage.empty_k.data_ptr(),
+                storage.empty_v.data_ptr())
+
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(bars[0] + s, 1)
+                cute.arch.mbarrier_init(bars[1] + s, 128)
+                cute.arch.mbarrier_init(bars[2] + s, 384)
+                cute.arch.mbarrier_init(bars[3] + s, 256)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        b1, split, n_splits, chunk = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk,
+                                                    work_target)
+        if b1 > 0:  # else: past the end of the schedule
+            b = b1 - 1
+            seq_len = mSeq[b]
+            kv_start = split * chunk
+            kv_end = cutlass.min(kv_start + chunk, seq_len)
+            n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER_B)
+                self.produce_b(tma_atom, tma_tensor, sK, sVt, bars, mKV, mBT, b, kv_start, kv_end, n_tiles,
+                               tidx, warp_idx)
+            else:
+                cute.arch.setmaxregister_increase(REGS_CONSUMER_B)
+                self.consume_b(qk_mma, pv_mma, bars, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut,
+                               mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
+                               n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def issue_tma(self, tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, j):
+        """Warp 0: wait until stage j % 2 is free, then load tile j (64 keys) into it, page slice by slice."""
+        bs = self.v.block_size
+        rb = self.box_rows
+        s = j % STAGES
+        cute.arch.mbarrier_wait(bars[2] + s, ((j // STAGES) & 1) ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars[0] + s, K_STAGE_BYTES)
+        tile_start = kv_start + j * BLOCK_N
+        for p in cutlass.range(BLOCK_N // rb, unroll=1):
+            tok = tile_start + p * rb
+            page = num_blocks  # past the split's end: an out-of-range page, TMA fills zeros
+            if tok < kv_end:
+                page = mBT[b, tok // bs]
+            row_box = (tok % bs) // rb
+            for c in cutlass.range_constexpr(K_CHUNKS):
+                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, s)], tma_bar_ptr=bars[0] + s)
+
+    @cute.jit
+    def produce_b(self, tma_atom, tma_tensor, sK, sVt, bars, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,
+                  warp_idx):
+        rb = self.box_rows
+        s_boxes = cute.flat_divide(sK, (rb, 64))
+        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
+        tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
+                                         cute.group_modes(g_boxes, 0, 2))
+        num_blocks = mKV.shape[0]
+
+        # ---- transpose map (see the module docstring). Lane bits: b0 -> which of two adjacent 16-column
+        # units, b1..b4 -> key group g (keys 4g..4g+3). Each warp covers 2 units x 64 keys per step, 4 steps
+        # per tile (warp w: units 8w..8w+7 = columns 128w..128w+127).
+        lane = tidx % 32
+        wq = tidx // 32
+        b0 = lane & 1
+        g = lane >> 1
+        q = (g >> 1) & 1  # keys are read in the order i ^ q (quarter warps hit both row parities)
+        sel_lo = cutlass.Int32(0x5140)
+        sel_hi = cutlass.Int32(0x7362)
+        if q == 1:
+            sel_lo = cutlass.Int32(0x1504)
+            sel_hi = cutlass.Int32(0x3726)
+        sel_e = cutlass.Int32(0x5410)  # columns are stored in the order jj ^ b0 (both row parities per warp)
+        sel_o = cutlass.Int32(0x7632)
+        if b0 == 1:
+            sel_e = cutlass.Int32(0x7632)
+            sel_o = cutlass.Int32(0x5410)
+        k_base = sK.iterator.toint()
+        vt_base = sVt.iterator.toint()
+        # per-thread read offsets of the 4 keys (for unit parity; the XOR by the unit is applied per step)
+        keys = [4 * g + (q ^ i) for i in range(4)]
+
+        if warp_idx == 0:
+            if n_tiles > 0:
+                self.issue_tma(tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, 0)
+        for j in cutlass.range(n_tiles, unroll=1):
+            s = j % STAGES
+            ph = (j // STAGES) & 1
+            if warp_idx == 0:
+                if j + 1 < n_tiles:
+                    self.issue_tma(tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, j + 1)
+            cute.arch.mbarrier_wait(bars[3] + s, ph ^ 1)  # V^T stage free (P V of tile j - 2 done)
+            cute.arch.mbarrier_wait(bars[0] + s, ph)  # K tile landed
+            kst = k_base + s * K_STAGE_BYTES
+            vst = vt_base + s * VT_STAGE_BYTES
+            for t in cutlass.range_constexpr(4):
+                u = wq * 8 + 2 * t + b0  # 16-column unit 0..31
+                c = u >> 2
+                uu = u & 3
+                words = []
+                for i in cutlass.range_constexpr(4):
+                    k = keys[i]
+                    addr = kst + c * 4096 + k * 64 + ((uu ^ ((k >> 1) & 3)) << 4)
+                    words.append(_lds128(addr))
+                for wi in cutlass.range_constexpr(4):
+                    lo_ab = _prmt(words[0][wi], words[1][wi], sel_lo)
+                    hi_ab = _prmt(words[0][wi], words[1][wi], sel_hi)
+                    lo_cd = _prmt(words[2][wi], words[3][wi], sel_lo)
+                    hi_cd = _prmt(words[2][wi], words[3][wi], sel_hi)
+                    outs = (_prmt(lo_ab, lo_cd, sel_e), _prmt(lo_ab, lo_cd, sel_o),
+                            _prmt(hi_ab, hi_cd, sel_e), _prmt(hi_ab, hi_cd, sel_o))
+                    for jj in cutlass.range_constexpr(4):
+                        d = u * 16 + 4 * wi + (jj ^ b0)
+                        x = ((4 * wi + jj) >> 1) & 3  # == (d >> 1) & 3
+                        addr = vst + d * 64 + (((g >> 2) ^ x) << 4) + (g & 3) * 4
+                        _sts32(addr, outs[jj])
+            # V^T stores (generic proxy) must be visible to wgmma (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(bars[1] + s)
+            cute.arch.mbarrier_arrive(bars[2] + s)
+
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_q(self, sQ, sQs, mQn, mQp, b, mblk, ctid):
+        """Q (64 rows x 576) -> e4m3 hi (+ lo) in shared memory, 4 threads per row; sQs[row] = 1 / s."""
+        H = self.v.num_heads
+        QL = self.v.q_len
+        row = ctid // 4
+        part = ctid % 4
+        r = mblk * BLOCK_M + row
+        tok = b * QL + r // H
+        h = r % H
+        valid = r < self.rows
+        if cutlass.const_expr(self.q_fp8):
+            for i in cutlass.range_constexpr(18):
+                c8 = part * 18 + i
+                dst = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
+                if valid:
+                    if c8 < D_NOPE // 8:
+                        dst.store(cute.local_tile(mQn[(tok, h, None)], (8,), (c8,)).load())
+                    else:
+                        dst.store(cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,)).load())
+                else:
+                    dst.store(cute.zeros_like(dst.load()))
+            if part == 0:
+                sQs[row] = 1.0
+        else:
+            amax = cutlass.Float32(0.0)
+            for i in cutlass.range_constexpr(18):
+                c8 = part * 18 + i
+                x = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                x.fill(0.0)
+                if valid:
+                    if c8 < D_NOPE // 8:
+                        x.store(cute.local_tile(mQn[(tok, h, None)], (8,), (c8,)).load().to(cutlass.Float32))
+                    else:
+                        x.store(cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,)).load().to(
+                            cutlass.Float32))
+                for e in cutlass.range_constexpr(8):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(x[e], -x[e]))
+            amax = cute.arch.warp_reduction_max(amax, threads_in_group=4)
+            sc = cutlass.Float32(1.0)
+            if amax > 0.0:
+                sc = Q_FP8_TARGET / amax
+            for i in cutlass.range_constexpr(18):
+                c8 = part * 18 + i
+                dst_hi = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
+                y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                y.fill(0.0)
+                if valid:
+                    if c8 < D_NOPE // 8:
+                        y.store(cute.local_tile(mQn[(tok, h, None)], (8,), (c8,)).load().to(cutlass.Float32))
+                    else:
+                        y.store(cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,)).load().to(
+                            cutlass.Float32))
+                yv = y.load() * sc
+                hi = yv.to(F8)
+                dst_hi.store(hi)
+                if cutlass.const_expr(self.q_parts == 2):
+                    dst_lo = cute.local_tile(sQ[(row, None, 1)], (8,), (c8,))
+                    dst_lo.store((yv - hi.to(cutlass.Float32)).to(F8))
+            if part == 0:
+                sQs[row] = 1.0 / sc
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def consume_b(self, qk_mma, pv_mma, bars, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut, mLse, mPartO,
+                  mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
+                  seq_len, kv_start, kv_end, n_tiles, ctid):
+        H = self.v.num_heads
+        QL = self.v.q_len
+        rows = self.rows
+        grp = ctid // 128
+
+        self.load_q(sQ, sQs, mQn, mQp, b, mblk, ctid)
+
+        qscale = q_scale
+        if cutlass.const_expr(self.v.q_scale_is_ptr):
+            qscale = mQScale[0]
+        kscale = kv_scale
+        if cutlass.const_expr(self.v.kv_scale_is_ptr):
+            kscale = mKVScale[0]
+        scale_log2 = sm_scale_log2 * kscale
+        if cutlass.const_expr(self.q_fp8):
+            scale_log2 = scale_log2 * qscale
+
+        qk_thr = qk_mma.get_slice(ctid)
+        pv_thr = pv_mma.get_slice(ctid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        tOrP = pv_thr.make_fragment_A(pv_thr.partition_A(sP))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVt))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
+        acc_o.fill(0.0)
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        tSsP = qk_thr.partition_C(sP[(None, None, 0)])
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
+        k_steps = cute.size(tSrQ, mode=[2])
+        pv_steps = cute.size(tOrP, mode=[2])
+
+        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            row_max[half] = -cutlass.Float32.inf
+            row_sum[half] = 0.0
+            rl = tScS[2 * half][0]
+            r = mblk * BLOCK_M + rl
+            limit = cutlass.min(seq_len - QL + 1 + r // H, kv_end)
+            if r >= rows:
+                limit = 0
+            row_limit[half] = limit
+            row_scale[half] = scale_log2 * sQs[rl]
+        lane = ctid % 32
+        n_s = cute.size(tScS)
+        n_o = cute.size(acc_o)
+
+        for j in cutlass.range(n_tiles, unroll=1):
+            stage = j % STAGES
+            ph = (j // STAGES) & 1
+            cute.arch.mbarrier_wait(bars[0] + stage, ph)
+            warpgroup.fence()
+            for qp in cutlass.range_constexpr(self.q_parts):
+                for k in cutlass.range_constexpr(k_steps):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, qp != 0 or k != 0)
+                    cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, qp)], tSrK[(None, None, k, stage)], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(bars[2] + stage)  # this thread is done with the K tile
+
+            tile_start = kv_start + j * BLOCK_N
+            m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            for half in cutlass.range_constexpr(2):
+                m_loc[half] = row_max[half]
+            for v in cutlass.range_constexpr(n_s):
+                half = (v >> 1) & 1
+                sv = acc_s[v] * row_scale[half]
+                if tile_start + tScS[v][1] >= row_limit[half]:
+                    sv = -cutlass.Float32.inf
+                acc_s[v] = sv
+                m_loc[half] = cute.arch.fmax(m_loc[half], sv)
+            for half in cutlass.range_constexpr(2):
+                m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
+                if lane % 4 == 0:
+                    sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
+            # (A) both groups' row maxima posted; both finished P_{j-1} V_{j-1}, so P_j may overwrite it
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            for half in cutlass.range_constexpr(2):
+                m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
+                mu = m
+                if m == -cutlass.Float32.inf:
+                    mu = 0.0
+                m_use[half] = mu
+                alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
+                row_max[half] = m
+                row_sum[half] = row_sum[half] * alpha[half]
+            r_p = cute.make_rmem_tensor(acc_s.layout, F8)
+            for v in cutlass.range_constexpr(n_s):
+                half = (v >> 1) & 1
+                p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
+                row_sum[half] = row_sum[half] + p
+                r_p[v] = (p * P_SCALE).to(F8)
+            cute.autovec_copy(r_p, tSsP)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
+                for v in cutlass.range_constexpr(n_o):
+                    acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
+
+            cute.arch.mbarrier_wait(bars[1] + stage, ph)  # V^T of this tile written
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(pv_steps):
+                cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(bars[3] + stage)
+
+        # O carries the P scale
+        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
+                          kscale, 1.0 / P_SCALE, n_splits, b, mblk, w)
