@@ -191,14 +191,9 @@ class Sm90MlaDecode:
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, split, n_splits, chunk = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk,
-                                                    work_target)
+        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx,
+                                                                             num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
-            b = b1 - 1
-            seq_len = mSeq[b]
-            kv_start = split * chunk
-            kv_end = cutlass.min(kv_start + chunk, seq_len)
-            n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if cutlass.const_expr(self.fp8_kv):
@@ -218,9 +213,9 @@ class Sm90MlaDecode:
     @cute.jit
     def plan_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits, min_chunk,
                   work_target):
-        """This CTA's work item (request + 1 or 0, split, splits of the request, chunk tokens); the CTAs of
-        m-block 0 also write the combine's list (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of
-        each split request."""
+        """This CTA's work item: (request + 1, or 0 past the schedule's end; request b; its seq_len; its splits;
+        the item's KV range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
+        (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
         b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
         if tidx == 0 and mblk == 0:
             if w == 0:
@@ -229,7 +224,12 @@ class Sm90MlaDecode:
                 mSplitIndex[1 + 3 * j] = b1 - 1
                 mSplitIndex[2 + 3 * j] = w
                 mSplitIndex[3 + 3 * j] = n_splits
-        return b1, split, n_splits, chunk
+        b = cutlass.max(b1 - 1, 0)  # request 0 stands in past the end (never used there)
+        seq_len = mSeq[b]
+        kv_start = split * chunk
+        kv_end = cutlass.min(kv_start + chunk, seq_len)
+        n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
+        return b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles
 
     @cute.jit
     def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
@@ -491,8 +491,9 @@ class Sm90MlaDecode:
                 limit = 0
             row_limit[half] = limit
         lane = ctid % 32
-        n_s = cute.size(tScS)
-        n_o = cute.size(acc_o)
+        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # logit scale of each row
+        for half in cutlass.range_constexpr(2):
+            row_scale[half] = scale_log2
 
         # Both groups walk the tiles in step. With two 72 KB stages S_{j+1} cannot be issued before P_j V_j
         # (its stage is the one P_{j-1} V_{j-1} reads until then), so the loop is: S_j, softmax, P_j V_j, and
@@ -505,49 +506,8 @@ class Sm90MlaDecode:
             self.issue_qk(qk_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage)
             warpgroup.wait_group(0)
 
-            tile_start = kv_start + j * BLOCK_N
-            m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            for half in cutlass.range_constexpr(2):
-                m_loc[half] = row_max[half]
-            for v in cutlass.range_constexpr(n_s):
-                half = (v >> 1) & 1
-                s = acc_s[v] * scale_log2
-                if tile_start + tScS[v][1] >= row_limit[half]:
-                    s = -cutlass.Float32.inf
-                acc_s[v] = s
-                m_loc[half] = cute.arch.fmax(m_loc[half], s)
-            for half in cutlass.range_constexpr(2):
-                m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
-                if lane % 4 == 0:
-                    sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
-            # (A) both groups' row maxima are posted; both groups also finished P_{j-1} V_{j-1} (waited
-            # below before they got here), so P_j may overwrite P_{j-1}
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            for half in cutlass.range_constexpr(2):
-                m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
-                mu = m
-                if m == -cutlass.Float32.inf:
-                    mu = 0.0  # a row that has seen no key yet: keep its (zero) state
-                m_use[half] = mu
-                alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
-                row_max[half] = m
-                row_sum[half] = row_sum[half] * alpha[half]
-            r_p = cute.make_rmem_tensor(acc_s.layout, cd)
-            for v in cutlass.range_constexpr(n_s):
-                half = (v >> 1) & 1
-                p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
-                row_sum[half] = row_sum[half] + p
-                r_p[v] = p.to(cd)
-            cute.autovec_copy(r_p, tSsP)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            # once the running maxima settle (most tiles of a long sequence) alpha is exactly 1 for every row
-            # of the warp: skip the 128 multiplies
-            if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
-                for v in cutlass.range_constexpr(n_o):
-                    acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
+            self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
+                              kv_start + j * BLOCK_N, cd, 1.0)
 
             warpgroup.fence()
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -560,6 +520,59 @@ class Sm90MlaDecode:
 
         self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
                           kscale, 1.0, n_splits, b, mblk, w)
+
+    @cute.jit
+    def softmax_step(self, acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
+                     tile_start, p_dtype: cutlass.Constexpr, p_scale: cutlass.Constexpr):
+        """Online softmax of one tile, shared by both designs: scale and mask this group's S (32 keys), exchange
+        the row maxima with the other group (barrier A), write P x ``p_scale`` as ``p_dtype`` to shared memory,
+        rescale O, and meet the other group at barrier C, after which all of P_j is in shared memory."""
+        n_s = cute.size(tScS)
+        n_o = cute.size(acc_o)
+        m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            m_loc[half] = row_max[half]
+        for v in cutlass.range_constexpr(n_s):
+            half = (v >> 1) & 1
+            s = acc_s[v] * row_scale[half]
+            if tile_start + tScS[v][1] >= row_limit[half]:
+                s = -cutlass.Float32.inf
+            acc_s[v] = s
+            m_loc[half] = cute.arch.fmax(m_loc[half], s)
+        for half in cutlass.range_constexpr(2):
+            m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
+            if lane % 4 == 0:
+                sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
+        # (A) both groups' row maxima are posted; both groups also finished P_{j-1} V_{j-1} (waited
+        # below before they got here), so P_j may overwrite P_{j-1}
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
+            mu = m
+            if m == -cutlass.Float32.inf:
+                mu = 0.0  # a row that has seen no key yet: keep its (zero) state
+            m_use[half] = mu
+            alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
+            row_max[half] = m
+            row_sum[half] = row_sum[half] * alpha[half]
+        r_p = cute.make_rmem_tensor(acc_s.layout, p_dtype)
+        for v in cutlass.range_constexpr(n_s):
+            half = (v >> 1) & 1
+            p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
+            row_sum[half] = row_sum[half] + p
+            if cutlass.const_expr(p_scale != 1.0):
+                p = p * p_scale
+            r_p[v] = p.to(p_dtype)
+        cute.autovec_copy(r_p, tSsP)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        # once the running maxima settle (most tiles of a long sequence) alpha is exactly 1 for every row
+        # of the warp: skip the 128 multiplies
+        if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
+            for v in cutlass.range_constexpr(n_o):
+                acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
 
     @cute.jit
     def store_result(self, acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,

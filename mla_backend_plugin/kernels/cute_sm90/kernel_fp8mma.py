@@ -195,14 +195,9 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, split, n_splits, chunk = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk,
-                                                    work_target)
+        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx,
+                                                                             num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
-            b = b1 - 1
-            seq_len = mSeq[b]
-            kv_start = split * chunk
-            kv_end = cutlass.min(kv_start + chunk, seq_len)
-            n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_B)
                 self.produce_b(tma_atom, tma_tensor, sK, sVt, bars, mKV, mBT, b, kv_start, kv_end, n_tiles,
@@ -423,8 +418,6 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             row_limit[half] = limit
             row_scale[half] = scale_log2 * sQs[rl]
         lane = ctid % 32
-        n_s = cute.size(tScS)
-        n_o = cute.size(acc_o)
 
         for j in cutlass.range(n_tiles, unroll=1):
             stage = j % STAGES
@@ -439,46 +432,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(bars[2] + stage)  # this thread is done with the K tile
 
-            tile_start = kv_start + j * BLOCK_N
-            m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            for half in cutlass.range_constexpr(2):
-                m_loc[half] = row_max[half]
-            for v in cutlass.range_constexpr(n_s):
-                half = (v >> 1) & 1
-                sv = acc_s[v] * row_scale[half]
-                if tile_start + tScS[v][1] >= row_limit[half]:
-                    sv = -cutlass.Float32.inf
-                acc_s[v] = sv
-                m_loc[half] = cute.arch.fmax(m_loc[half], sv)
-            for half in cutlass.range_constexpr(2):
-                m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
-                if lane % 4 == 0:
-                    sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
-            # (A) both groups' row maxima posted; both finished P_{j-1} V_{j-1}, so P_j may overwrite it
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            for half in cutlass.range_constexpr(2):
-                m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
-                mu = m
-                if m == -cutlass.Float32.inf:
-                    mu = 0.0
-                m_use[half] = mu
-                alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
-                row_max[half] = m
-                row_sum[half] = row_sum[half] * alpha[half]
-            r_p = cute.make_rmem_tensor(acc_s.layout, F8)
-            for v in cutlass.range_constexpr(n_s):
-                half = (v >> 1) & 1
-                p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
-                row_sum[half] = row_sum[half] + p
-                r_p[v] = (p * P_SCALE).to(F8)
-            cute.autovec_copy(r_p, tSsP)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
-                for v in cutlass.range_constexpr(n_o):
-                    acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
+            self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
+                              kv_start + j * BLOCK_N, F8, P_SCALE)
 
             cute.arch.mbarrier_wait(bars[1] + stage, ph)  # V^T of this tile written
             warpgroup.fence()
