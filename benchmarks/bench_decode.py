@@ -6,10 +6,11 @@
     python benchmarks/bench_decode.py --dry-run         # grid, kernels and peers with reasons; no GPU needed
     python benchmarks/bench_decode.py --ragged one-long # ragged batches: one request of S, the rest short
 
-Per cell (batch B, KV length S, q_len, KV dtype): inputs are built once and shared by every kernel; each
-kernel's output is checked against the package's float32 reference (a wrong kernel is reported, not timed);
-each correct kernel is captured in a CUDA graph that cycles through enough copies of the KV cache that L2
-cannot serve them; graphs of all kernels are replayed interleaved and timed with CUDA events. Results go to
+Per cell (batch B, KV length S, q_len, KV dtype): inputs are built once (mla_backend_plugin.testing) and shared
+by every kernel; each kernel's output is checked against the package's float32 reference (a wrong kernel is
+reported, not timed); each correct kernel is captured in a CUDA graph that cycles through enough copies of the
+KV cache that L2 cannot serve them; graphs of all kernels are replayed interleaved and timed with CUDA events
+(the package's timing core, mla_backend_plugin.ops.timing, which the tuner uses too). Results go to
 results.csv / results.json / results.md / plots/*.png (see benchmarks/README.md).
 """
 
@@ -30,16 +31,24 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
-import torch
-
-import peers  # before mla_backend_plugin: it puts the repository root on sys.path when not installed
+import peers
 import report
-from peers import PEERS, Cell, DecodeInputs, PeerCall, check_against_reference, make_inputs, reference
+import torch
+from peers import PEERS, Cell, PeerCall, cell_inputs, check_against_reference
 
 from mla_backend_plugin.ops.api import mla_decode, prepare_args
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
 from mla_backend_plugin.ops.registry import KERNELS, available_kernels
+from mla_backend_plugin.ops.timing import (
+    calls_per_graph_for,
+    capture_graph,
+    kv_copies_for,
+    measure_bf16_flops_per_s,
+    measure_hbm_bytes_per_s,
+    time_graphs,
+)
 from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.testing import DecodeInputs
 
 GRIDS = {
     "standard": dict(batches=(1, 8, 32, 64, 128, 256), seq_lens=(1024, 4096, 8192, 32768), q_lens=(1, 2),
@@ -129,9 +138,9 @@ class OurKernel:
             return str(e)
         return KERNELS[self.kernel].unsupported_reason(args, tuple(cc))
 
-    def prepare(self, inputs: DecodeInputs) -> PeerCall:
-        cell = inputs.cell
+    def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
         q, q_scale = inputs.query(self.query_dtype(cell, None))
+        kv_scale = inputs.kv_scale_tensor()
         workspace = MLAWorkspace(inputs.device, max_batch=cell.batch, max_q_len=cell.q_len,
                                  num_heads=cell.num_heads)
         out = torch.empty(cell.tokens, cell.num_heads, KV_LORA_RANK, dtype=torch.bfloat16, device=inputs.device)
@@ -139,7 +148,7 @@ class OurKernel:
 
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
-                              softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=inputs.kv_scale,
+                              softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=kv_scale,
                               out=out, lse=lse, workspace=workspace, kernel=self.kernel)
 
         return PeerCall(launch, lambda raw: raw)
@@ -149,111 +158,10 @@ class OurKernel:
 # Device peaks and timing
 # ----------------------------------------------------------------------------------------------------------
 
-def _event_times_s(fn, iters: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def measure_hbm_bytes_per_s(device, nbytes: int = 2**30, iters: int = 20) -> float:
-    """A device-to-device copy far larger than L2, counting read + write bytes; the best of ``iters``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = min(_event_times_s(lambda: dst.copy_(src), iters))
-    return 2 * nbytes / best
-
-
-def measure_bf16_flops_per_s(device, n: int = 8192, iters: int = 20) -> float:
-    """An n^3 bf16 matmul (cuBLAS); the best of ``iters``."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    best = min(_event_times_s(lambda: torch.matmul(a, b, out=c), iters))
-    return 2 * n**3 / best
-
-
-def kv_copies_for(cell: Cell, l2_bytes: int, l2_factor: float, max_copies: int) -> int:
-    """Enough KV copies to add up to l2_factor x L2, so that reading them round-robin misses L2."""
-    return max(1, min(max_copies, math.ceil(l2_factor * l2_bytes / cell.kv_bytes_per_copy)))
-
-
-def calls_per_graph_for(copies: int, min_calls: int) -> int:
-    """A multiple of the copy count (each copy read equally often), at least min_calls."""
-    return copies * math.ceil(min_calls / copies)
-
-
 def estimate_cell_bytes(cell: Cell, copies: int) -> int:
     query_rows = cell.tokens * cell.num_heads
     return (cell.kv_bytes_per_copy * copies + query_rows * KV_LORA_RANK * 4 * SCRATCH_FP32_ROWS_PER_QUERY_ROW
             + CELL_MEMORY_MARGIN_BYTES)
-
-
-def capture_graph(launch, copies: int, calls: int) -> torch.cuda.CUDAGraph:
-    """One graph of ``calls`` decode calls cycling through the KV copies."""
-    # Warm up on a side stream first: lazy initialisation must not happen during capture.
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 2)):
-            launch(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k in range(calls):
-            launch(k % copies)
-    return graph
-
-
-@dataclasses.dataclass
-class Timing:
-    median_us: float
-    p10_us: float
-    p90_us: float
-    replays: int
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def time_graphs(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], target_s: float, min_replays: int,
-                max_replays: int, warmup: int) -> dict[str, Timing]:
-    """Replay every graph interleaved (round-robin), each replay timed by its own pair of CUDA events.
-
-    A kernel gets about ``target_s`` seconds of replays, within [min_replays, max_replays]; times are per
-    decode call (replay time / calls in the graph).
-    """
-    replays = {}
-    for name, (graph, _) in graphs.items():
-        for _ in range(warmup):
-            graph.replay()
-        estimate_s = min(_event_times_s(graph.replay, iters=1, warmup=0))
-        replays[name] = int(min(max_replays, max(min_replays, math.ceil(target_s / max(estimate_s, 1e-7)))))
-    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                     for _ in range(n)] for name, n in replays.items()}
-    for rep in range(max(replays.values(), default=0)):
-        for name, (graph, _) in graphs.items():
-            if rep < replays[name]:
-                start, end = events[name][rep]
-                start.record()
-                graph.replay()
-                end.record()
-    torch.cuda.synchronize()
-    timings = {}
-    for name, (_, calls) in graphs.items():
-        per_call_us = sorted(start.elapsed_time(end) * 1e3 / calls for start, end in events[name])
-        timings[name] = Timing(_quantile(per_call_us, 0.5), _quantile(per_call_us, 0.1),
-                               _quantile(per_call_us, 0.9), len(per_call_us))
-    return timings
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -300,7 +208,7 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
         if not reason:
             active.append(runner)
 
-    copies = kv_copies_for(cell, ctx.l2_bytes, args.l2_factor, args.max_kv_copies)
+    copies = kv_copies_for(cell.kv_bytes_per_copy, ctx.l2_bytes, args.l2_factor, args.max_kv_copies)
     calls = calls_per_graph_for(copies, args.min_calls_per_graph)
     torch.cuda.empty_cache()
     free_bytes = torch.cuda.mem_get_info(ctx.device)[0]
@@ -314,7 +222,7 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
     inputs = refs = graphs = prepared = None
     try:
         if active:
-            inputs = make_inputs(cell, ctx.device, copies, args.softmax_scale, args.seed)
+            inputs = cell_inputs(cell, ctx.device, copies, args.softmax_scale, args.seed)
             if args.ragged != "none":
                 # The cache and block table cover S for every request; the lengths shrink below it in place,
                 # before any runner plans (peers that take a max length get S, an upper bound).
@@ -329,21 +237,22 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
             row.update(kv_copies=copies, calls_per_graph=calls)
             phase = "prepare"  # named in the note of a failure, to tell planning, running and capture apart
             try:
-                call = prepared[runner.name] = runner.prepare(inputs)
+                call = prepared[runner.name] = runner.prepare(cell, inputs)
                 phase = "first call"
                 out, lse = call(0)
                 torch.cuda.synchronize()
                 phase = "reference check"
                 if row["q_dtype"] not in refs:
-                    refs[row["q_dtype"]] = reference(inputs, row["q_dtype"])
+                    refs[row["q_dtype"]] = inputs.reference(row["q_dtype"])
                 check = check_against_reference(out, lse, *refs[row["q_dtype"]], cell.kv_dtype)
                 del out, lse
-                row.update(max_abs_err=check.max_abs_err, lse_max_abs_err=check.lse_max_abs_err, note=check.note)
-                if not check.ok:
+                row.update(max_abs_err=check.max_abs_err, lse_max_abs_err=check.lse_max_abs_err,
+                           note=check.summary())
+                if not check.out_ok:
                     row["status"] = report.WRONG
                     continue
                 phase = "CUDA-graph capture"
-                graphs[runner.name] = (capture_graph(call.launch, copies, calls), calls)
+                graphs[runner.name] = (capture_graph(call.launch, calls=calls, copies=copies), calls)
             except torch.OutOfMemoryError as e:
                 row.update(status=report.SKIPPED, note=f"out of memory in {phase}: {_one_line(e)}")
             except Exception as e:  # noqa: BLE001 - a failing kernel is a result, not the end of the run
@@ -542,7 +451,7 @@ def dry_run(args, cells: list[Cell], runners: list) -> None:
           + " ".join(f"{n:>15}" for n in names))
     reasons: dict[tuple[str, str], int] = {}
     for cell in cells:
-        copies = kv_copies_for(cell, l2_bytes, args.l2_factor, args.max_kv_copies)
+        copies = kv_copies_for(cell.kv_bytes_per_copy, l2_bytes, args.l2_factor, args.max_kv_copies)
         marks = []
         for runner in runners:
             reason = runner.unsupported_reason(cell, cc)

@@ -31,15 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import PEER  # sibling module: benchmarks/ is the script directory
 
-# Run from a checkout without installing the package: the repository root holds mla_backend_plugin.
+from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, QK_HEAD_DIM, QK_ROPE_HEAD_DIM
+from mla_backend_plugin.testing import DecodeInputs, compare_decode, make_decode_inputs
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from report import PEER  # noqa: E402  (sibling module: benchmarks/ is the script directory)
-
-from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, QK_HEAD_DIM, QK_ROPE_HEAD_DIM  # noqa: E402
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448 for e4m3fn
@@ -94,92 +91,16 @@ class Cell:
         return f"B={self.batch} S={self.seq_len} q_len={self.q_len} kv={self.kv_dtype}"
 
 
-@dataclasses.dataclass
-class DecodeInputs:
-    """Device inputs of one cell, shared by every kernel; ``kv_caches`` are identical copies at different
-    addresses (each like one layer's cache: vLLM's layers share the block table, not the cache)."""
-
-    cell: Cell
-    q: torch.Tensor  # [T, H, 576] bf16
-    q_fp8: torch.Tensor | None  # [T, H, 576] e4m3 (fp8-KV cells): what vLLM passes backends that take fp8 q
-    q_scale: torch.Tensor | None  # [1] float32 dequantisation scale of q_fp8
-    kv_caches: list[torch.Tensor]  # copies of [num_blocks, block_size, 576]
-    kv_scale: torch.Tensor | None  # [1] float32 dequantisation scale of an fp8 cache, else None
-    block_table: torch.Tensor  # [B, pages_per_request] int32, pages in random order
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B + 1] int32: vLLM's cu_seqlens_q
-    softmax_scale: float
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    def query(self, q_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(q, its dequantisation scale or None) in the dtype a kernel takes."""
-        if q_dtype == "fp8":
-            assert self.q_fp8 is not None, "fp8 q exists only in fp8-KV cells"
-            return self.q_fp8, self.q_scale
-        return self.q, None
-
-    @property
-    def q_scale_value(self) -> float:
-        return float(self.q_scale.item())  # host sync: only for APIs that take the scale as a Python float
-
-    @property
-    def kv_scale_value(self) -> float:
-        return float(self.kv_scale.item())
-
-
-def _fill_kv_(kv: torch.Tensor, generator: torch.Generator) -> None:
-    """N(0, 1) entries; an fp8 cache stores value / KV_FP8_SCALE (clipped so that nothing saturates to NaN)."""
-    if kv.dtype != FP8_DTYPE:
-        kv.normal_(generator=generator)
-        return
-    rows = kv.view(-1, kv.shape[-1])
-    step = max(1, _FILL_CHUNK_BYTES // (4 * rows.shape[1]))
-    for start in range(0, rows.shape[0], step):
-        chunk = torch.randn(rows[start:start + step].shape, device=kv.device, generator=generator)
-        rows[start:start + step] = (chunk.clamp_(-KV_FP8_CLIP, KV_FP8_CLIP) / KV_FP8_SCALE).to(FP8_DTYPE)
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor dynamic e4m3 quantisation, as vLLM's fp8 q path: returns (x / scale as fp8, scale [1])."""
-    scale = (x.abs().amax().float() / FP8_MAX).clamp_(min=1e-12).reshape(1)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def make_inputs(cell: Cell, device, copies: int = 1, softmax_scale: float = DEFAULT_SOFTMAX_SCALE,
+def cell_inputs(cell: Cell, device, copies: int = 1, softmax_scale: float = DEFAULT_SOFTMAX_SCALE,
                 seed: int = 0) -> DecodeInputs:
-    device = torch.device(device)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    q = torch.randn(cell.tokens, cell.num_heads, QK_HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
-    q_fp8 = q_scale = kv_scale = None
-    if cell.kv_dtype == "fp8":
-        q_fp8, q_scale = quantize_fp8(q)
-        kv_scale = torch.full((1,), KV_FP8_SCALE, dtype=torch.float32, device=device)
-    kv = torch.empty(cell.num_blocks, cell.block_size, QK_HEAD_DIM, dtype=TORCH_DTYPES[cell.kv_dtype],
-                     device=device)
-    _fill_kv_(kv, gen)
-    # Pages in random order, as after a while of serving: no kernel can rely on neighbouring pages.
-    block_table = torch.randperm(cell.num_blocks, device=device, generator=gen, dtype=torch.int64)
-    block_table = block_table.to(torch.int32).view(cell.batch, cell.pages_per_request)
-    seq_lens = torch.full((cell.batch,), cell.seq_len, dtype=torch.int32, device=device)
-    query_start_loc = torch.arange(cell.batch + 1, dtype=torch.int32, device=device) * cell.q_len
-    return DecodeInputs(cell=cell, q=q, q_fp8=q_fp8, q_scale=q_scale,
-                        kv_caches=[kv] + [kv.clone() for _ in range(copies - 1)], kv_scale=kv_scale,
-                        block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                        softmax_scale=softmax_scale)
-
-
-def reference(inputs: DecodeInputs, q_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The package's float32 reference on KV copy 0 with the q a kernel was given: (out, lse)."""
-    from mla_backend_plugin.kernels.reference import mla_decode_reference
-
-    q, q_scale = inputs.query(q_dtype)
-    return mla_decode_reference(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:], inputs.kv_caches[0],
-                                inputs.block_table, inputs.seq_lens, inputs.cell.q_len, inputs.softmax_scale,
-                                q_scale, inputs.kv_scale)
+    """The cell's inputs from the package's generator: every request has S tokens on pages in random order (as
+    after a while of serving), ``copies`` identical caches at other addresses (each like one layer's cache:
+    vLLM's layers share the block table, not the cache), a bf16 q; an fp8 cache stores values / KV_FP8_SCALE."""
+    return make_decode_inputs(
+        cell.batch, [cell.seq_len] * cell.batch, cell.q_len, cell.num_heads, cell.block_size,
+        TORCH_DTYPES[cell.kv_dtype], "cat", device, seed, q_dtype=torch.bfloat16, softmax_scale=softmax_scale,
+        kv_scale=KV_FP8_SCALE if cell.kv_dtype == "fp8" else None, num_blocks=cell.num_blocks + 1,
+        max_blocks=cell.pages_per_request, kv_copies=copies)
 
 
 @dataclasses.dataclass
@@ -237,7 +158,7 @@ class Peer:
     def query_dtype(self, cell: Cell, cc) -> str:
         return "bf16"
 
-    def prepare(self, inputs: DecodeInputs) -> PeerCall:
+    def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
         raise NotImplementedError
 
 
@@ -280,15 +201,15 @@ class VllmFlashMLA(Peer):
     def query_dtype(self, cell, cc):
         return "fp8" if cell.kv_dtype == "fp8" else "bf16"  # FlashMLAImpl keeps supports_quant_query_input
 
-    def prepare(self, inputs):
+    def prepare(self, cell, inputs):
         ops = self.modules()
-        cell = inputs.cell
-        q, _ = inputs.query(self.query_dtype(cell, None))
+        q, q_scale = inputs.query(self.query_dtype(cell, None))
         q = q.view(cell.batch, cell.q_len, cell.num_heads, QK_HEAD_DIM)  # reshape_query_for_spec_decode
         # FlashMLAMetadataBuilder._build_decode: num_q_tokens_per_head_k = q_len * H, one KV head.
         sched_meta, _ = ops.get_mla_metadata(inputs.seq_lens, cell.q_len * cell.num_heads, 1,
                                              is_fp8_kvcache=cell.kv_dtype == "fp8")
         if cell.kv_dtype == "fp8":
+            kv_scale = inputs.kv_scale_tensor()
             tile_scheduler_metadata, num_splits = ops.get_mla_metadata_dense_fp8(
                 inputs.seq_lens, cell.q_len * cell.num_heads, 1)
 
@@ -298,7 +219,7 @@ class VllmFlashMLA(Peer):
                     cache_seqlens=inputs.seq_lens, head_dim_v=KV_LORA_RANK,
                     tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
                     softmax_scale=inputs.softmax_scale, causal=True,
-                    descale_q=inputs.q_scale.reshape(1), descale_k=inputs.kv_scale.reshape(1))
+                    descale_q=q_scale, descale_k=kv_scale)
         else:
             def launch(i):  # FlashMLAImpl.forward_mqa, bf16 branch
                 return ops.flash_mla_with_kvcache(
@@ -339,23 +260,23 @@ class VllmFlashAttnMLA(Peer):
             return f"FLASH_ATTN_MLA needs a block size that is a multiple of 16, cell has {cell.block_size}"
         return None
 
-    def prepare(self, inputs):
+    def prepare(self, cell, inputs):
         fa = self.modules()
-        cell = inputs.cell
+        query_start_loc = inputs.query_start_loc
         q_nope, q_pe = inputs.q[..., :KV_LORA_RANK], inputs.q[..., KV_LORA_RANK:]
         # FlashAttnMLAMetadataBuilder._schedule_decode with full CUDA graphs (max_num_splits = 32).
         scheduler_metadata = fa.get_scheduler_metadata(
             batch_size=cell.batch, max_seqlen_q=cell.q_len, max_seqlen_k=cell.seq_len,
             num_heads_q=cell.num_heads, num_heads_kv=1, headdim=QK_ROPE_HEAD_DIM,
             cache_seqlens=inputs.seq_lens, qkv_dtype=TORCH_DTYPES[cell.kv_dtype], headdim_v=KV_LORA_RANK,
-            page_size=cell.block_size, cu_seqlens_q=inputs.query_start_loc, causal=True,
+            page_size=cell.block_size, cu_seqlens_q=query_start_loc, causal=True,
             num_splits=FA3_MAX_NUM_SPLITS_FOR_CUDA_GRAPH)
 
         def launch(i):  # FlashAttnMLAImpl.forward_mqa
             kv = inputs.kv_caches[i]
             return fa.flash_attn_varlen_func(
                 q=q_pe, k=kv[..., KV_LORA_RANK:].unsqueeze(-2), v=kv[..., :KV_LORA_RANK].unsqueeze(-2),
-                q_v=q_nope, max_seqlen_q=cell.q_len, cu_seqlens_q=inputs.query_start_loc,
+                q_v=q_nope, max_seqlen_q=cell.q_len, cu_seqlens_q=query_start_loc,
                 max_seqlen_k=cell.seq_len, seqused_k=inputs.seq_lens, block_table=inputs.block_table,
                 softmax_scale=inputs.softmax_scale, causal=True, return_softmax_lse=True, fa_version=3,
                 scheduler_metadata=scheduler_metadata, num_splits=FA3_MAX_NUM_SPLITS_FOR_CUDA_GRAPH)
@@ -391,9 +312,8 @@ class VllmTritonMLA(Peer):
             return "fp8 KV needs SM89+"
         return None
 
-    def prepare(self, inputs):
+    def prepare(self, cell, inputs):
         ops = self.modules()
-        cell = inputs.cell
         device = inputs.device
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         num_kv_splits = ops.compute_num_kv_splits(cell.seq_len, sm_count)  # from attn_metadata.max_seq_len
@@ -403,7 +323,7 @@ class VllmTritonMLA(Peer):
         attn_logits = torch.empty(cell.tokens, cell.num_heads, num_kv_splits, KV_LORA_RANK + 1,
                                   dtype=torch.float32, device=device)
         # vLLM always passes layer._k_scale (1.0 for a bf16 cache) as both k and v scale.
-        k_scale = inputs.kv_scale if inputs.kv_scale is not None else torch.ones(1, device=device)
+        k_scale = inputs.kv_scale_tensor() if inputs.kv_scale is not None else torch.ones(1, device=device)
 
         def launch(i):  # TritonMLAImpl.forward_mqa
             kv = inputs.kv_caches[i].unsqueeze(2)  # add a head dim of 1
@@ -446,13 +366,13 @@ class FlashInferMLA(Peer):
         # SM90 fa3 wrapper: fp8 KV "only supports q_data_type=torch.bfloat16"; SM100: vLLM quantises q.
         return "fp8" if cell.kv_dtype == "fp8" and cc is not None and cc[0] == 10 else "bf16"
 
-    def prepare(self, inputs):
+    def prepare(self, cell, inputs):
         cc = torch.cuda.get_device_capability(inputs.device)
-        return self._prepare_trtllm(inputs, cc) if cc[0] == 10 else self._prepare_fa3_wrapper(inputs)
+        return self._prepare_trtllm(cell, inputs, cc) if cc[0] == 10 else self._prepare_fa3_wrapper(cell, inputs)
 
-    def _prepare_fa3_wrapper(self, inputs):
+    def _prepare_fa3_wrapper(self, cell, inputs):
         fi = self.modules()
-        cell, device = inputs.cell, inputs.device
+        device = inputs.device
         workspace = torch.empty(FLASHINFER_WRAPPER_WORKSPACE_BYTES, dtype=torch.int8, device=device)
         wrapper = fi.wrapper(workspace, backend="fa3")
         pages = cell.pages_per_request
@@ -467,7 +387,7 @@ class FlashInferMLA(Peer):
         lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=device)
         scales = {}
         if cell.kv_dtype == "fp8":
-            scales = dict(ckv_scale=inputs.kv_scale_value, kpe_scale=inputs.kv_scale_value)
+            scales = dict(ckv_scale=inputs.kv_scale, kpe_scale=inputs.kv_scale)
 
         def launch(i):
             kv = inputs.kv_caches[i]
@@ -476,17 +396,17 @@ class FlashInferMLA(Peer):
 
         return PeerCall(launch, lambda raw: raw)  # the closure keeps the planned wrapper and its buffers alive
 
-    def _prepare_trtllm(self, inputs, cc):
+    def _prepare_trtllm(self, cell, inputs, cc):
         fi = self.modules()
-        cell, device = inputs.cell, inputs.device
+        device = inputs.device
         q_dtype = self.query_dtype(cell, cc)
-        q, _ = inputs.query(q_dtype)
+        q, q_scale = inputs.query(q_dtype)
         q = q.view(cell.batch, cell.q_len, cell.num_heads, QK_HEAD_DIM)
         # FlashInferMLAImpl: bmm1 = scale * q_scale * k_scale and bmm2 = k_scale for an fp8 cache.
         bmm1_scale, bmm2_scale = inputs.softmax_scale, 1.0
         if cell.kv_dtype == "fp8":
-            bmm1_scale *= inputs.q_scale_value * inputs.kv_scale_value
-            bmm2_scale *= inputs.kv_scale_value
+            bmm1_scale *= (float(q_scale) if q_scale is not None else 1.0) * inputs.kv_scale
+            bmm2_scale *= inputs.kv_scale
         workspace = torch.zeros(FLASHINFER_TRTLLM_WORKSPACE_BYTES, dtype=torch.int8, device=device)
 
         def launch(i):  # FlashInferMLAImpl.forward_mqa
@@ -506,36 +426,12 @@ class FlashInferMLA(Peer):
 
 PEERS: dict[str, Peer] = {p.name: p for p in (VllmFlashMLA(), VllmFlashAttnMLA(), VllmTritonMLA(), FlashInferMLA())}
 
-# Pass/fail tolerances of out against the float32 reference, by KV dtype: (rtol, atol).
-OUT_TOLERANCE = {"bf16": (1e-2, 1e-2), "fp8": (1e-2, 0.15)}
-# An LSE is only reported (vLLM uses it only to merge context-parallel shards), flagged beyond this.
-LSE_NOTE_ATOL = 0.05
-
-
-@dataclasses.dataclass
-class CheckResult:
-    ok: bool
-    max_abs_err: float
-    lse_max_abs_err: float | None
-    note: str
-
-
 def check_against_reference(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor,
-                            ref_lse: torch.Tensor, kv_dtype: str) -> CheckResult:
-    rtol, atol = OUT_TOLERANCE[kv_dtype]
-    out = out.float()
-    diff = (out - ref_out).abs()
-    finite = bool(torch.isfinite(out).all())
-    max_err = float(diff.max()) if finite else math.inf
-    ok = finite and bool((diff <= atol + rtol * ref_out.abs()).all())
-    notes = [] if ok else [f"out differs from the float32 reference: max |err| {max_err:.3g} "
-                           f"(tolerance atol {atol} + rtol {rtol} * |ref|)"]
-    lse_err = None
-    if lse is not None:
-        lse_err = float((lse.float() - ref_lse).abs().max())
-        if not lse_err <= LSE_NOTE_ATOL + 1e-2 * float(ref_lse.abs().max()):
-            notes.append(f"lse differs from the reference by up to {lse_err:.3g}")
-    return CheckResult(ok, max_err, lse_err, "; ".join(notes))
+                            ref_lse: torch.Tensor, kv_dtype: str):
+    """The package's comparison (mla_backend_plugin.testing); the benchmark fails a kernel on its output only:
+    an LSE off the reference is reported in the note (vLLM uses the LSE only to merge context-parallel
+    shards, and some peers return it in bf16)."""
+    return compare_decode(out, lse, ref_out, ref_lse, kv_dtype)
 
 
 # Exit codes of ``peers.py --smoke``: bench_decode.py treats a peer that ran (even wrongly) as usable, since
@@ -565,18 +461,18 @@ def smoke(names: list[str], kv_dtypes: list[str], q_lens: list[int], block_size:
                     print(f"{name} {cell.label()}: n/a: {reason}")
                     continue
                 try:
-                    inputs = make_inputs(cell, "cuda", copies=2)
-                    out, lse = peer.prepare(inputs)(1)
+                    inputs = cell_inputs(cell, "cuda", copies=2)
+                    out, lse = peer.prepare(cell, inputs)(1)
                     torch.cuda.synchronize()
-                    check = check_against_reference(out, lse, *reference(inputs, peer.query_dtype(cell, cc)),
+                    check = check_against_reference(out, lse, *inputs.reference(peer.query_dtype(cell, cc)),
                                                     kv_dtype)
                 except Exception:  # noqa: BLE001 - report and go on with the next peer
                     print(f"{name} {cell.label()}: ERROR\n{traceback.format_exc()}")
                     errors += 1
                     continue
-                wrong += not check.ok
-                print(f"{name} {cell.label()}: {'ok' if check.ok else 'WRONG'} max|err| {check.max_abs_err:.3g}"
-                      f" lse max|err| {check.lse_max_abs_err}" + (f" ({check.note})" if check.note else ""))
+                wrong += not check.out_ok
+                print(f"{name} {cell.label()}: {'ok' if check.out_ok else 'WRONG'} max|err| {check.max_abs_err:.3g}"
+                      f" lse max|err| {check.lse_max_abs_err}" + (f" ({check.summary()})" if check.problems else ""))
     return SMOKE_ERROR if errors else SMOKE_WRONG if wrong else SMOKE_OK
 
 

@@ -4,8 +4,9 @@
     python benchmarks/tune_triton.py --quick            # fewer configs
 
 Each configuration is checked against the float32 reference before it is timed (CUDA graphs, KV rotated past
-L2, median), with the same timing code as bench_decode.py. The winner goes into
-mla_backend_plugin/kernels/triton_decode/config.py by hand, with the numbers in benchmarks/NOTES.md.
+L2, median), with the package's timing core (mla_backend_plugin.ops.timing), as bench_decode.py does. The
+winner goes into mla_backend_plugin/kernels/triton_decode/config.py by hand, with the numbers in
+benchmarks/NOTES.md. (The autotuner of issue 16 replaces this script.)
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import argparse
 import itertools
 
 import torch
-
-import peers  # noqa: F401  (puts the repository root on sys.path)
-from bench_decode import calls_per_graph_for, capture_graph, kv_copies_for, time_graphs
-from peers import PEERS, Cell, check_against_reference, make_inputs, reference
+from peers import PEERS, Cell, cell_inputs, check_against_reference
 
 from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, config_for
-from mla_backend_plugin.ops import workspace as workspace_module
 from mla_backend_plugin.kernels.triton_decode.kernel import launch
+from mla_backend_plugin.ops import LaunchConfig
+from mla_backend_plugin.ops import workspace as workspace_module
 from mla_backend_plugin.ops.api import prepare_args
+from mla_backend_plugin.ops.timing import calls_per_graph_for, capture_graph, kv_copies_for, time_graphs
 from mla_backend_plugin.ops.workspace import MLAWorkspace
 
 SHAPES = [Cell(1, 8192, 1, "bf16", 128, 64), Cell(8, 4096, 1, "bf16", 128, 64), Cell(64, 8192, 1, "bf16", 128, 64),
@@ -55,10 +55,11 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     print(f"{torch.cuda.get_device_name(device)}")
     for cell in SHAPES:
-        copies = kv_copies_for(cell, l2, 2.0, 64)
+        copies = kv_copies_for(cell.kv_bytes_per_copy, l2, 2.0, 64)
         calls = calls_per_graph_for(copies, 8)
-        inputs = make_inputs(cell, device, copies)
-        ref = reference(inputs, "bf16")
+        inputs = cell_inputs(cell, device, copies)
+        ref = inputs.reference("bf16")
+        kv_scale = inputs.kv_scale_tensor()
         graphs, keep, rows = {}, {}, []
         if args.ctas_per_sm:
             variants = [(config_for(cell.num_heads), int(t)) for t in args.ctas_per_sm.split(",")]
@@ -72,29 +73,29 @@ def main() -> None:
             lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=device)
             q, _ = inputs.query("bf16")
 
-            def run(i, cfg=cfg, ws=ws, out=out, lse=lse, q=q):
+            def run(i, cfg=cfg, ws=ws, out=out, lse=lse, q=q, inputs=inputs, kv_scale=kv_scale):
                 a = prepare_args(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
-                                 softmax_scale=inputs.softmax_scale, kv_scale=inputs.kv_scale, out=out, lse=lse)
-                launch(a, ws, cfg)
+                                 softmax_scale=inputs.softmax_scale, kv_scale=kv_scale, out=out, lse=lse)
+                launch(a, ws, LaunchConfig(split_plan="balanced", enable_pdl=False, tile=cfg.tile))
             name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
             if args.ctas_per_sm:
-                name += f" target{target} splits{ws.plan(cell.batch, cell.q_len).num_splits}"
+                name += f" target{target} items{ws.plan(cell.batch, cell.q_len, balanced=True).grid_items}"
             try:
                 run(0)
                 torch.cuda.synchronize()
                 check = check_against_reference(out, lse, *ref, cell.kv_dtype)
-                if not check.ok:
-                    rows.append((name, "wrong", check.note))
+                if not check.out_ok:
+                    rows.append((name, "wrong", check.summary()))
                     continue
-                graphs[name] = (capture_graph(run, copies, calls), calls)
+                graphs[name] = (capture_graph(run, calls=calls, copies=copies), calls)
                 keep[name] = (ws, out, lse)
             except Exception as e:  # noqa: BLE001 - a config that fails to compile (smem, regs) is a result
                 rows.append((name, "error", str(e).splitlines()[0][:100]))
         peer = PEERS.get("triton_mla")
         if peer is not None and peer.available()[0] and cell.q_len == 1:
-            call = peer.prepare(inputs)
+            call = peer.prepare(cell, inputs)
             call(0)
-            graphs["vllm_triton_mla"] = (capture_graph(call.launch, copies, calls), calls)
+            graphs["vllm_triton_mla"] = (capture_graph(call.launch, calls=calls, copies=copies), calls)
             keep["vllm_triton_mla"] = call
         timings = time_graphs(graphs, args.time_per_config, 10, 400, 2)
         kv_bytes = cell.batch * cell.seq_len * 576 * (1 if cell.kv_dtype == "fp8" else 2)

@@ -14,12 +14,11 @@ import shutil
 import subprocess
 import tempfile
 
-DRIVER_SYMBOLS = (
-    "cuInit cuDriverGetVersion cuDeviceGetCount cuGetProcAddress cuGetProcAddress_v2 cuGetErrorString "
-    "cuCtxGetCurrent cuCtxSetCurrent cuDeviceGetAttribute cuDevicePrimaryCtxRetain cuPointerGetAttribute "
-    "cuMemAddressFree cuMemAddressReserve cuMemCreate cuMemGetAllocationGranularity cuMemMap cuMemRelease "
-    "cuMemSetAccess cuMemUnmap cuTensorMapEncodeTiled"
-).split()
+DRIVER_SYMBOLS = ["cuInit", "cuDriverGetVersion", "cuDeviceGetCount", "cuGetProcAddress", "cuGetProcAddress_v2",
+                  "cuGetErrorString", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute",
+                  "cuDevicePrimaryCtxRetain", "cuPointerGetAttribute", "cuMemAddressFree", "cuMemAddressReserve",
+                  "cuMemCreate", "cuMemGetAllocationGranularity", "cuMemMap", "cuMemRelease", "cuMemSetAccess",
+                  "cuMemUnmap", "cuTensorMapEncodeTiled"]
 CUDA_ERROR_NO_DEVICE = 100
 
 

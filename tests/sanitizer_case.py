@@ -14,10 +14,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mla_testutils import assert_close_decode, make_decode_inputs
-
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
 
 
 def main(kernel: str) -> None:

@@ -33,15 +33,3 @@ def test_fp8mma_compiles_to_e4m3_wgmma_without_spills(tmp_path):
     assert info["hgmma"] == 0  # no 16-bit wgmma left
     assert info["utmaldg"] > 0
     assert not (info["stack"] or info["local"] or info["spill_ops"]), info
-
-
-def test_fp8_design_from_the_environment(monkeypatch):
-    from mla_backend_plugin.kernels.cute_sm90 import launch
-
-    monkeypatch.delenv(launch.FP8_DESIGN_ENV_VAR, raising=False)
-    assert launch.fp8_design() == "fp8mma"
-    monkeypatch.setenv(launch.FP8_DESIGN_ENV_VAR, "dequant")
-    assert launch.fp8_design() == "dequant"
-    monkeypatch.setenv(launch.FP8_DESIGN_ENV_VAR, "int4")
-    with pytest.raises(ValueError, match=r"CUTE_MLA_FP8_DESIGN='int4': allowed fp8mma, dequant"):
-        launch.fp8_design()

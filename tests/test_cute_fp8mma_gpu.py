@@ -1,13 +1,14 @@
 """GPU tests of both designs of cute_sm90's fp8-cache path against the float32 reference, with the project's
-fp8 tolerance, through ``mla_decode(kernel="cute_sm90")``: design B (kernels/cute_sm90/kernel_fp8mma.py, the
-default: fp8 wgmma for Q K^T and P V) and design A (``CUTE_MLA_FP8_DESIGN=dequant``: the cache widened to
+fp8 tolerance, through ``mla_decode(kernel="cute_sm90", fp8_design=...)``: design B (kernels/cute_sm90/
+kernel_fp8mma.py, the default: fp8 wgmma for Q K^T and P V) and design A (``"dequant"``: the cache widened to
 bf16 in shared memory). tests/test_ops_gpu.py runs the default design over the whole grid."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mla_testutils import (
+
+from mla_backend_plugin.testing import (
     assert_close_decode,
     draw_seq_lens,
     kernel_unsupported_reason,
@@ -19,13 +20,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(params=["fp8mma", "dequant"])
-def design(request, monkeypatch):
+def design(request):
     reason = kernel_unsupported_reason("cute_sm90")
     if reason is not None:
         pytest.skip(f"cute_sm90: {reason}")
-    from mla_backend_plugin.kernels.cute_sm90 import launch
-
-    monkeypatch.setenv(launch.FP8_DESIGN_ENV_VAR, request.param)
     return request.param
 
 
@@ -49,7 +47,7 @@ def test_fp8_designs_match_reference(design, case):
     ws = MLAWorkspace("cuda", max_batch=B, max_q_len=ql, num_heads=H)
     out, lse = inp.poisoned_outputs()
     mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
-               workspace=ws, **inp.scale_kwargs((False, kv_t)))
+               workspace=ws, fp8_design=design, **inp.scale_kwargs((False, kv_t)))
     torch.cuda.synchronize()
     ref_out, ref_lse = inp.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"{design} {case} lens={lens}")
@@ -64,7 +62,7 @@ def test_fp8_designs_short_and_ragged_lengths(design):
     ws = MLAWorkspace("cuda", max_batch=len(lens), max_q_len=2, num_heads=128)
     out, lse = inp.poisoned_outputs()
     mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
-               workspace=ws, **inp.scale_kwargs(False))
+               workspace=ws, fp8_design=design, **inp.scale_kwargs(False))
     torch.cuda.synchronize()
     ref_out, ref_lse = inp.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"{design} lens={lens}")

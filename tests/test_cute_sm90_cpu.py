@@ -1,7 +1,8 @@
-"""CPU tests of the CuTe-DSL SM90 kernel's host side: support checks, variant keys, the shared-memory budget,
-one real sm_90a compile (no GPU needed) whose SASS must hold wgmma and TMA and no spills, and the on-disk
-cache of prebuilt (exported) variants: relocatable, loadable where the DSL is absent, invalidated by what
-changes the binary or breaks loading."""
+"""CPU tests of the CuTe-DSL SM90 kernel's host side: support checks, variant keys, launch configs, the
+shared-memory budget, one real sm_90a compile (no GPU needed) whose SASS must hold wgmma and TMA and no
+spills, and the on-disk cache of prebuilt (exported) variants (kernels/cute_common/aot.py): relocatable,
+loadable where the DSL is absent, invalidated by what changes the binary (an edit to the family's folder or to
+cute_common included) or breaks loading."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import textwrap
 import pytest
 import torch
 
-from mla_backend_plugin.kernels.cute_sm90 import config
-from mla_backend_plugin.kernels.cute_sm90.launch import unsupported_reason, variant_for
-from mla_backend_plugin.ops import prepare_args
+from mla_backend_plugin.kernels.cute_common import aot, host
+from mla_backend_plugin.kernels.cute_sm90 import config, launch
+from mla_backend_plugin.kernels.cute_sm90.launch import AOT, unsupported_reason
+from mla_backend_plugin.ops import LaunchConfig, prepare_args
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 
 HAS_DSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
@@ -41,12 +43,37 @@ def test_unsupported_outside_sm90(cc):
     assert ("sm_90a" in reason) if cc else ("CUDA device" in reason)
 
 
+def variant_for(args, **config):
+    return launch.variant_for(args, launch.default_config(args, (9, 0)) if not config else LaunchConfig(**config))
+
+
 def test_variant_key_covers_what_changes_the_binary():
     v = variant_for(_args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, heads=16, q_len=3, block_size=16,
                           kv_scale=torch.tensor(3.0)))
     assert (v.kv_dtype, v.q_dtype, v.out_dtype, v.num_heads, v.q_len, v.block_size) == ("fp8", "fp8", "bf16", 16, 3, 16)
-    assert v.kv_scale_is_ptr and not v.q_scale_is_ptr and v.compute_dtype == "bf16"
+    assert v.kv_scale_is_ptr and not v.q_scale_is_ptr and v.compute_dtype == "bf16" and v.fp8_mma
     assert variant_for(_args()) != v and "h16 q3 bs16" in v.name
+    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
+    assert not variant_for(fp8, fp8_design="dequant").fp8_mma and variant_for(fp8, fp8_design="fp8mma").fp8_mma
+
+
+def test_launch_configs(monkeypatch):
+    """The default follows the environment; the candidates a tuner sees cover both fp8 designs and PDL."""
+    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
+    monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
+    monkeypatch.delenv("CUTE_MLA_PDL", raising=False)
+    assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="fp8mma", enable_pdl=True)
+    assert launch.default_config(_args(), (9, 0)) == LaunchConfig(enable_pdl=True)
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
+    monkeypatch.setenv("CUTE_MLA_PDL", "0")
+    assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="dequant", enable_pdl=False)
+    candidates = launch.configs(fp8, (9, 0))
+    assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates)
+    assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
+        True, False} and all(c.balanced for c in candidates)
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
+    with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are fp8mma, dequant"):
+        launch.default_config(fp8, (9, 0))
 
 
 def test_shared_memory_fits_one_cta_per_sm():
@@ -75,7 +102,7 @@ def exported(tmp_path_factory):
     if not HAS_DSL:
         pytest.skip("nvidia-cutlass-dsl / apache-tvm-ffi not installed")
     from mla_backend_plugin import compile as compile_cli
-    from mla_backend_plugin.kernels.cute_sm90 import aot, build
+    from mla_backend_plugin.kernels.cute_sm90 import build
 
     root = tmp_path_factory.mktemp("cute_cache") / "built-here"
     results = []
@@ -91,12 +118,10 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _fresh_memo():
-    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
-
-    for f in (launch._compiled, launch._dsl_missing, aot._prebuilt_cached):
+    for f in (launch._compiled, host.dsl_missing, aot._prebuilt_cached):
         f.cache_clear()
     yield
-    for f in (launch._compiled, launch._dsl_missing, aot._prebuilt_cached):
+    for f in (launch._compiled, host.dsl_missing, aot._prebuilt_cached):
         f.cache_clear()
 
 
@@ -109,19 +134,18 @@ def test_compiles_for_sm90a_without_gpu(exported):
 
 @dsl_only
 def test_export_writes_a_self_contained_entry(exported):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     _, root = exported
-    entry = aot.entry_dir(CACHED, True, "sm_90a", str(root))
+    entry = AOT.entry_dir(CACHED, True, "sm_90a", str(root))
+    assert os.path.basename(entry).startswith("cute_sm90-")
     with open(os.path.join(entry, aot.META_NAME)) as f:
         meta = json.load(f)
     assert meta["variant"] == dataclasses.asdict(CACHED) and meta["use_pdl"] and meta["arch"] == "sm_90a"
-    assert meta["source_sha256"] == aot.source_hash()
+    assert meta["source_sha256"] == AOT.source_hash() and meta["function"] == "mla_decode_sm90"
     assert meta[aot.DSL_DIST] == aot.installed_version(aot.DSL_DIST)
     assert meta[aot.TVM_FFI_DIST] == aot.installed_version(aot.TVM_FFI_DIST)
     runtime = os.path.normpath(os.path.join(entry, meta["runtime"]))
     assert runtime.startswith(str(root)) and os.path.isfile(runtime)
-    dyn = subprocess.run(["readelf", "-d", os.path.join(entry, aot.LIBRARY_NAME)], check=False,
+    dyn = subprocess.run(["readelf", "-d", os.path.join(entry, AOT.library_name)], check=False,
                          capture_output=True, text=True).stdout if shutil.which("readelf") else ""
     if dyn:  # sonames only, found through $ORIGIN: nothing points back into this machine's venv
         assert "$ORIGIN/../lib/cute-dsl-" in dyn and "[libtvm_ffi.so]" in dyn and "[libcute_dsl_runtime.so]" in dyn
@@ -132,8 +156,6 @@ def test_export_writes_a_self_contained_entry(exported):
 def test_exported_variant_loads_without_compiling(exported, monkeypatch):
     """A later lookup loads the library and never calls the compiler."""
     import tvm_ffi
-
-    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
 
     monkeypatch.setenv(aot.CACHE_ENV_VAR, str(exported[1]))
 
@@ -152,8 +174,9 @@ _NO_DSL = textwrap.dedent("""
     sys.path[:] = [p for p in sys.path if "dsl_packages" not in p]
     assert importlib.util.find_spec("cutlass") is None
     import torch
-    from mla_backend_plugin.kernels.cute_sm90 import aot, config, launch
-    from mla_backend_plugin.ops import prepare_args
+    from mla_backend_plugin.kernels.cute_common import host
+    from mla_backend_plugin.kernels.cute_sm90 import config, launch
+    from mla_backend_plugin.ops import LaunchConfig, prepare_args
 
     def args(q_len, block_size):
         q = torch.zeros(2 * q_len, 128, 576, dtype=torch.bfloat16)
@@ -162,7 +185,7 @@ _NO_DSL = textwrap.dedent("""
                             softmax_scale=0.1)
 
     v = config.Variant(*json.loads(sys.argv[1]))
-    out = dict(missing=launch._dsl_missing(), key=aot.cache_key(v, True, "sm_90a"),
+    out = dict(missing=host.dsl_missing(), key=launch.AOT.cache_key(v, True, "sm_90a"),
                reason=launch.unsupported_reason(args(2, 16), (9, 0)),
                other=launch.unsupported_reason(args(1, 64), (9, 0)))
     fn = launch._compiled(v, True)
@@ -174,7 +197,7 @@ _NO_DSL = textwrap.dedent("""
     except ImportError:
         pass
     try:
-        launch.launch(args(2, 16), None)  # on CPU it cannot get far; what matters is that it imports
+        launch.launch(args(2, 16), None, LaunchConfig())  # on CPU it cannot get far; what matters: it imports
     except Exception as e:
         out["launch_error"] = repr(e)
     out["runtime"] = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcute_dsl_runtime" in line})
@@ -186,8 +209,6 @@ _NO_DSL = textwrap.dedent("""
 def no_dsl_run(exported, tmp_path_factory):
     """(RESULT dict of _NO_DSL, where the cache was moved to): the exported cache moved elsewhere, then read by
     a process where cutlass is not importable."""
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     _, root = exported
     moved = tmp_path_factory.mktemp("elsewhere") / "cache"
     shutil.move(str(root), str(moved))
@@ -206,11 +227,9 @@ def no_dsl_run(exported, tmp_path_factory):
 def test_moved_cache_loads_where_the_dsl_is_absent(no_dsl_run):
     """Build here, move the directory, and load through the package's own loader in a process where cutlass is
     not importable: the key is the same, the variant is supported, and the runtime comes from the moved copy."""
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     out, moved = no_dsl_run
     assert out["missing"] and "cutlass" in out["missing"] and out["cutlass"] == []
-    assert out["key"] == aot.cache_key(CACHED, True, "sm_90a")  # the DSL's absence does not change the key
+    assert out["key"] == AOT.cache_key(CACHED, True, "sm_90a")  # the DSL's absence does not change the key
     assert out["reason"] is None, out["reason"]
     assert out["other"] and "not prebuilt" in out["other"] and "--export-dir" in out["other"]
     assert out["fn"] == "tvm_ffi.core.Function"
@@ -228,43 +247,78 @@ def test_launch_needs_no_cutlass_import(no_dsl_run):
 
 
 def test_cache_location_from_the_environment(monkeypatch, tmp_path):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     monkeypatch.delenv(aot.CACHE_ENV_VAR, raising=False)
-    assert aot.cache_root() == (aot.default_root() if aot.DEFAULT_ON else None)
-    assert aot.default_root().endswith(os.path.join("mla_backend_plugin", "cute_sm90"))
+    assert aot.cache_root() == aot.default_root()
+    assert aot.default_root().endswith(os.path.join("mla_backend_plugin", "cute"))
     for off in ("0", "off"):
         monkeypatch.setenv(aot.CACHE_ENV_VAR, off)
-        assert aot.cache_root() is None and aot.library_path(CACHED, True, "sm_90a") is None
+        assert aot.cache_root() is None and AOT.library_path(CACHED, True, "sm_90a") is None
     monkeypatch.setenv(aot.CACHE_ENV_VAR, "1")
     assert aot.cache_root() == aot.default_root()
     monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
-    assert aot.library_path(CACHED, True, "sm_90a").startswith(str(tmp_path))
+    assert AOT.library_path(CACHED, True, "sm_90a").startswith(str(tmp_path))
 
 
 def test_key_covers_the_binary_and_not_the_host(monkeypatch):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
-    key = aot.cache_key(CACHED, True, "sm_90a")
-    others = {aot.cache_key(CACHED, False, "sm_90a"), aot.cache_key(CACHED, True, "sm_90"),
-              aot.cache_key(dataclasses.replace(CACHED, q_len=3), True, "sm_90a"),
-              aot.cache_key(dataclasses.replace(CACHED, kv_scale_is_ptr=True), True, "sm_90a")}
-    assert key not in others and len(others) == 4 and key == aot.cache_key(CACHED, True, "sm_90a")
+    key = AOT.cache_key(CACHED, True, "sm_90a")
+    others = {AOT.cache_key(CACHED, False, "sm_90a"), AOT.cache_key(CACHED, True, "sm_90"),
+              AOT.cache_key(dataclasses.replace(CACHED, q_len=3), True, "sm_90a"),
+              AOT.cache_key(dataclasses.replace(CACHED, kv_scale_is_ptr=True), True, "sm_90a"),
+              dataclasses.replace(AOT, function_name="other").cache_key(CACHED, True, "sm_90a")}
+    assert key not in others and len(others) == 5 and key == AOT.cache_key(CACHED, True, "sm_90a")
     monkeypatch.setattr(aot, "installed_version", lambda dist: None)
     monkeypatch.setattr(aot, "dsl_importable", lambda: False)
-    assert aot.cache_key(CACHED, True, "sm_90a") == key  # the loading host's packages are not in the key
-    monkeypatch.setattr(aot, "source_hash", lambda: "0" * 64)  # a kernel edit is
-    assert aot.cache_key(CACHED, True, "sm_90a") != key
+    assert AOT.cache_key(CACHED, True, "sm_90a") == key  # the loading host's packages are not in the key
+    monkeypatch.setattr(aot.AotCache, "source_hash", lambda self: "0" * 64)  # a kernel edit is
+    assert AOT.cache_key(CACHED, True, "sm_90a") != key
+
+
+def test_fingerprint_covers_the_family_and_cute_common():
+    """Every .py under the family's folder and under cute_common is fingerprinted; nothing else is."""
+    here = os.path.dirname(launch.__file__)
+    assert AOT.source_dirs == (os.path.realpath(here), os.path.realpath(os.path.dirname(aot.__file__)))
+    files = {p for d in AOT.source_dirs for p in os.listdir(d) if p.endswith(".py")}
+    assert {"kernel.py", "kernel_fp8mma.py", "launch.py", "scheduler.py", "epilogue.py", "aot.py"} <= files
+
+
+def test_an_edit_to_a_shared_module_invalidates_the_entry(tmp_path, monkeypatch):
+    """A cache entry built from one copy of the sources stops matching once a cute_common module changes."""
+    family = tmp_path / "src" / "cute_sm90"
+    common = tmp_path / "src" / "cute_common"
+    shutil.copytree(AOT.source_dirs[0], family, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(AOT.source_dirs[1], common, ignore=shutil.ignore_patterns("__pycache__"))
+    cache = aot.AotCache("cute_sm90", "mla_decode_sm90", (str(family), str(common)))
+    assert cache.source_hash() == AOT.source_hash()  # same bytes, same fingerprint, wherever they live
+    root = tmp_path / "cache"
+    entry = cache.entry_dir(CACHED, True, "sm_90a", str(root))
+    os.makedirs(entry)
+    open(os.path.join(entry, cache.library_name), "wb").close()
+    os.makedirs(root / "lib" / "rt")
+    open(root / "lib" / "rt" / aot.RUNTIME_NAME, "wb").close()
+    meta = {**cache.expected_meta(CACHED, True, "sm_90a"), "runtime": os.path.join("..", "lib", "rt", aot.RUNTIME_NAME),
+            aot.DSL_DIST: "4.6.0", aot.TVM_FFI_DIST: "0.1.10"}
+    with open(os.path.join(entry, aot.META_NAME), "w") as f:
+        json.dump(meta, f)
+    monkeypatch.setattr(aot, "dsl_importable", lambda: False)
+    monkeypatch.setattr(aot, "installed_version", lambda dist: "0.1.11" if dist == aot.TVM_FFI_DIST else None)
+    assert cache.check_entry(CACHED, True, "sm_90a", str(root)) == (os.path.join(entry, cache.library_name), "")
+    with open(common / "scheduler.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert cache.source_hash() != AOT.source_hash()
+    path, why = cache.check_entry(CACHED, True, "sm_90a", str(root))
+    assert path is None and "not prebuilt" in why
+    # an entry whose meta.json names another fingerprint is refused, not loaded, even at a matching path
+    monkeypatch.setattr(aot.AotCache, "cache_key", lambda self, v, p, a: os.path.basename(entry))
+    path, why = cache.check_entry(CACHED, True, "sm_90a", str(root))
+    assert path is None and "source_sha256" in why
 
 
 def _entry_copy(exported, tmp_path, **meta_changes):
     """A cache root holding a copy of the exported entry (runtime library linked in), meta.json edited."""
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     src = exported[1]
     root = tmp_path / "cache"
-    entry = aot.entry_dir(CACHED, True, "sm_90a", str(root))
-    shutil.copytree(aot.entry_dir(CACHED, True, "sm_90a", str(src)), entry)
+    entry = AOT.entry_dir(CACHED, True, "sm_90a", str(root))
+    shutil.copytree(AOT.entry_dir(CACHED, True, "sm_90a", str(src)), entry)
     os.symlink(src / "lib", root / "lib")
     meta_path = os.path.join(entry, aot.META_NAME)
     with open(meta_path) as f:
@@ -277,59 +331,54 @@ def _entry_copy(exported, tmp_path, **meta_changes):
 
 @dsl_only
 def test_with_the_dsl_another_toolchain_version_is_stale(exported, tmp_path, monkeypatch):
-    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
-
     root, _ = _entry_copy(exported, tmp_path, **{aot.DSL_DIST: "4.0.0"})
-    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    path, why = AOT.check_entry(CACHED, True, "sm_90a", root)
     assert path is None and "stale" in why and "4.0.0" in why
     root2, _ = _entry_copy(exported, tmp_path / "b", **{aot.TVM_FFI_DIST: "0.1.0"})
-    assert aot.check_entry(CACHED, True, "sm_90a", root2)[0] is None
+    assert AOT.check_entry(CACHED, True, "sm_90a", root2)[0] is None
     # _compiled rebuilds a stale entry and exports over it
     calls = []
     monkeypatch.setenv(aot.CACHE_ENV_VAR, root)
     monkeypatch.setattr(launch, "compile_variant", lambda v, pdl, arch=None: calls.append("compile") or "jit")
-    monkeypatch.setattr(aot, "export", lambda c, v, pdl, arch: calls.append(("export", c)))
+    monkeypatch.setattr(aot.AotCache, "export", lambda self, c, v, pdl, arch: calls.append(("export", c)))
     assert launch._compiled(CACHED, True) == "jit" and calls == ["compile", ("export", "jit")]
 
 
 @dsl_only
 def test_without_the_dsl_a_compatible_tvm_ffi_is_enough(exported, tmp_path, monkeypatch):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     monkeypatch.setattr(aot, "dsl_importable", lambda: False)
     tvm = aot.installed_version(aot.TVM_FFI_DIST)
     series = ".".join(tvm.split(".")[:2])
     root, entry = _entry_copy(exported, tmp_path, **{aot.DSL_DIST: "4.0.0", aot.TVM_FFI_DIST: series + ".0"})
-    assert aot.check_entry(CACHED, True, "sm_90a", root) == (os.path.join(entry, aot.LIBRARY_NAME), "")
+    assert AOT.check_entry(CACHED, True, "sm_90a", root) == (os.path.join(entry, AOT.library_name), "")
     root, _ = _entry_copy(exported, tmp_path / "b", **{aot.TVM_FFI_DIST: "9.9.0"})
-    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    path, why = AOT.check_entry(CACHED, True, "sm_90a", root)
     assert path is None and "apache-tvm-ffi==9.9.0" in why
     real = aot.installed_version
     monkeypatch.setattr(aot, "installed_version", lambda d: None if d == aot.TVM_FFI_DIST else real(d))
-    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    path, why = AOT.check_entry(CACHED, True, "sm_90a", root)
     assert path is None and "apache-tvm-ffi is not installed" in why
 
 
 @dsl_only
 def test_entries_that_do_not_match_or_lack_the_runtime_are_refused(exported, tmp_path):
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
     root, _ = _entry_copy(exported, tmp_path, variant=dataclasses.asdict(dataclasses.replace(CACHED, q_len=1)))
-    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    path, why = AOT.check_entry(CACHED, True, "sm_90a", root)
     assert path is None and "variant" in why
     root, _ = _entry_copy(exported, tmp_path / "b", runtime="../lib/nowhere/libcute_dsl_runtime.so")
-    path, why = aot.check_entry(CACHED, True, "sm_90a", root)
+    path, why = AOT.check_entry(CACHED, True, "sm_90a", root)
     assert path is None and "runtime library" in why
 
 
 def test_without_the_dsl_a_missing_prebuilt_says_what_to_do(monkeypatch, tmp_path):
-    from mla_backend_plugin.kernels.cute_sm90 import aot, launch
-
     monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(launch, "_dsl_missing", lambda: "Python package 'cutlass' is not installed")
+    missing = lambda: "Python package 'cutlass' is not installed"  # noqa: E731
+    monkeypatch.setattr(launch, "dsl_missing", missing)
+    monkeypatch.setattr(host, "dsl_missing", missing)
     reason = unsupported_reason(_args(block_size=16), (9, 0))
     assert "not prebuilt" in reason and "--export-dir" in reason and "pip install nvidia-cutlass-dsl" in reason
     with pytest.raises(RuntimeError, match="no prebuilt library"):
         launch._compiled(CACHED, True)
     monkeypatch.setenv(aot.CACHE_ENV_VAR, "0")
     assert "cache is off" in unsupported_reason(_args(block_size=16), (9, 0))
+    assert "--kernels cute_sm90" in AOT.prebuild_hint("sm_90a")

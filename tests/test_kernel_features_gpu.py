@@ -20,12 +20,17 @@ import sys
 
 import pytest
 import torch
-from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, make_decode_inputs,
-                           select_kernel_for_test)
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.testing import (
+    assert_close_decode,
+    capture_graph,
+    draw_seq_lens,
+    make_decode_inputs,
+    select_kernel_for_test,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -96,7 +101,7 @@ def test_graph_replay_back_to_back(monkeypatch, pdl):
         mla_decode((out1, q_pe), kv, bt, seq, softmax_scale=static.softmax_scale, out=out2, lse=lse2,
                    workspace=ws, kernel=KERNEL)
 
-    graph = capture_graph(run, warmup=1)
+    graph = capture_graph(lambda _: run(), warmup=1)
     for i, lens in enumerate([draw_seq_lens(batch, 2500, block_size=bs, seed=9, max_len=width * bs),
                               [1, 0, 64, 65, width * bs, 3]]):
         new = fresh(lens, 20 + i)
@@ -135,8 +140,8 @@ def test_compute_sanitizer(tool, kernel):
         [os.path.dirname(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     # --report-api-errors no: CuTe-DSL's import probes the driver with calls that may return an error code
     # (host side, handled); only device-side errors of our kernel count here
-    cmd = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--kernel-name", SANITIZER_KERNEL_FILTER[kernel], "--error-exitcode", "3",
-           sys.executable, os.path.join(HERE, "sanitizer_case.py"), kernel]
+    cmd = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--kernel-name", SANITIZER_KERNEL_FILTER[kernel],
+           "--error-exitcode", "3", sys.executable, os.path.join(HERE, "sanitizer_case.py"), kernel]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "SANITIZER_OK" in text, f"{' '.join(cmd)} -> {proc.returncode}\n{text[-4000:]}"

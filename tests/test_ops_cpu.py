@@ -24,7 +24,6 @@ from mla_backend_plugin.ops import (
     plan_splits,
     prepare_args,
 )
-from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
     KV_LORA_RANK,
@@ -34,15 +33,18 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_Q_LENS,
 )
 from mla_backend_plugin.ops.workspace import MAX_SPLITS, TARGET_CTAS_PER_SM
-from mla_testutils import (
+from mla_backend_plugin.testing import (
     POISON_16BIT,
     SOFTMAX_SCALE,
     assert_close_decode,
+    compare_decode,
     draw_seq_lens,
     make_decode_inputs,
 )
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, FP8_DTYPE
+
+KERNEL_ENV_VAR = "CUTE_MLA_KERNEL"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -188,6 +190,13 @@ def test_make_decode_inputs_is_adversarial():
     assert (inp.kv_cache[last, 3:].float().abs() == POISON_16BIT).all()
     owned_slots = inp.kv_cache[last, :3].float()
     assert owned_slots.abs().max() < 10 and owned_slots.std() > 0.5
+    for poison, check in (("nan", lambda x: torch.isnan(x).all()),
+                          ("inf", lambda x: torch.isinf(x).all() and (x > 0).any() and (x < 0).any())):
+        other = make_decode_inputs(4, lens, 2, 32, bs, BF16, "pair", "cpu", 9, poison=poison)
+        assert check(other.kv_cache[int(other.block_table[1, 0]), 3:].float()), poison
+        assert torch.equal(other.block_table, bt)  # the same layout, only the poison differs
+    fp8 = make_decode_inputs(4, lens, 2, 32, bs, FP8, "pair", "cpu", 9, poison="inf")  # e4m3fn: no inf, NaN
+    assert torch.isnan(fp8.kv_cache[int(fp8.block_table[1, 0]), 3:].float()).all()
 
 
 def test_make_decode_inputs_fp8_ranges():
@@ -218,7 +227,7 @@ def test_assert_close_decode_catches_errors():
     assert_close_decode(ref_out.bfloat16(), ref_lse.clone(), ref_out, ref_lse, BF16)
     bad = ref_out.clone()
     bad[-1, 0, 0] = math.nan
-    with pytest.raises(AssertionError, match="NaN in out"):
+    with pytest.raises(AssertionError, match="NaN/inf in out"):
         assert_close_decode(bad, ref_lse, ref_out, ref_lse, BF16)
     bad_lse = ref_lse.clone()
     bad_lse[0, 0] = 0.0
@@ -226,13 +235,20 @@ def test_assert_close_decode_catches_errors():
         assert_close_decode(ref_out, bad_lse, ref_out, ref_lse, BF16)
     bad_lse = ref_lse.clone()
     bad_lse[-1, 3] += 0.03
-    with pytest.raises(AssertionError, match="lse mismatch"):
+    with pytest.raises(AssertionError, match="lse differs from the reference by up to 0.03"):
         assert_close_decode(ref_out, bad_lse, ref_out, ref_lse, BF16)
     assert_close_decode(ref_out, bad_lse, ref_out, ref_lse, FP8)  # fp8: lse atol 5e-2
     bad = ref_out.clone()
     bad[-1, 0, 0] += 0.1
-    with pytest.raises(AssertionError, match="out mismatch"):
+    with pytest.raises(AssertionError, match=r"out: 1 of \d+ elements beyond atol 0.01"):
         assert_close_decode(bad, ref_lse, ref_out, ref_lse, BF16)
+    dead_row = ref_out.clone()
+    dead_row[torch.isneginf(ref_lse)] = 1e-3  # within atol, but a row that sees no key must be exactly 0
+    with pytest.raises(AssertionError, match="rows with no visible key must be 0"):
+        assert_close_decode(dead_row, ref_lse, ref_out, ref_lse, BF16)
+    # the benchmark's reading: a wrong LSE alone leaves the output usable
+    result = compare_decode(ref_out, bad_lse, ref_out, ref_lse, BF16)
+    assert result.out_ok and not result.lse_ok and result.max_abs_err == 0 and abs(result.lse_max_abs_err - 0.03) < 1e-6
     nan_lse = ref_lse.clone()
     nan_lse[-1, -1] = math.nan
     with pytest.raises(AssertionError, match="NaN in lse"):
@@ -360,11 +376,11 @@ def _validation_cases():
         r"seq_lens: must be an int32 tensor \[batch\]")
     add("seq_lens_not_contiguous", lambda: _call((i := _base()), sl=i.seq_lens.repeat(2)[::2]),
         r"seq_lens: must be contiguous")
-    add("seq_lens_wrong_length", lambda: _call((i := _base()), sl=torch.tensor([5, 20, 7], dtype=torch.int32)),
+    add("seq_lens_wrong_length", lambda: _call(_base(), sl=torch.tensor([5, 20, 7], dtype=torch.int32)),
         r"seq_lens: has 3 entries but block_table has 2 rows")
     add("empty_batch", lambda: _call((i := _base()), bt=i.block_table[:0], sl=i.seq_lens[:0]),
         r"block_table: batch is empty")
-    add("tokens_not_multiple_of_batch", lambda: _call((i := _base()), q=torch.randn(3, H, QK_HEAD_DIM, dtype=BF16)),
+    add("tokens_not_multiple_of_batch", lambda: _call(_base(), q=torch.randn(3, H, QK_HEAD_DIM, dtype=BF16)),
         r"q: 3 tokens is not a multiple of the batch \(2\): q_len must be uniform")
     add("q_len_5", lambda: _call(_base(), q=torch.randn(B * 5, H, QK_HEAD_DIM, dtype=BF16)),
         r"q_len: 5 query tokens per request is not supported; allowed: " + _ALLOWED_Q_LENS)
@@ -374,8 +390,7 @@ def _validation_cases():
         r"q_len: is 1 but q has 4 tokens for 2 requests \(2 each\)")
 
     # ---- devices (meta stands in for a second device on a CPU-only machine) ----
-    add("kv_on_other_device", lambda: _call((i := _base()), q=torch.empty(2, H, QK_HEAD_DIM, dtype=BF16,
-                                                                        device="meta")),
+    add("kv_on_other_device", lambda: _call(_base(), q=torch.empty(2, H, QK_HEAD_DIM, dtype=BF16, device="meta")),
         r"kv_cache: is on cpu but q is on meta")
     add("scale_on_other_device", lambda: _call(_base("fp8", kv_dtype=FP8), out_dtype=BF16,
                                                kv_scale=torch.ones(1, device="meta")),
@@ -616,9 +631,9 @@ def test_plan_splits_properties(heads, q_len, max_splits):
 ])
 def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
     ws = MLAWorkspace(device="cpu", max_batch=max_batch, max_q_len=max_q_len, num_heads=heads, num_sms=NUM_SMS,
-                      max_splits=max_splits)
+                      max_splits=max_splits, rows_per_cta=rows_per_cta_for(heads))
     assert ws.device == torch.device("cpu") and ws.num_sms == NUM_SMS
-    assert ws.rows_per_cta == rows_per_cta_for(heads)  # the Triton tile height the plan is made for
+    assert ws.plan_rows == (rows_per_cta_for(heads),)  # the one tile height the plan is made for
     assert ws.partial_out.dtype == torch.float32 and ws.partial_out.shape[1] == KV_LORA_RANK
     assert ws.partial_lse.dtype == torch.float32
     assert ws.partial_out.shape[0] == ws.partial_lse.shape[0]
@@ -641,7 +656,7 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
 
 
 def test_workspace_no_split_when_batch_fills_gpu():
-    ws = MLAWorkspace(device="cpu", max_batch=256, max_q_len=4, num_heads=128, num_sms=NUM_SMS)
+    ws = MLAWorkspace(device="cpu", max_batch=256, max_q_len=4, num_heads=128, num_sms=NUM_SMS, rows_per_cta=64)
     ctas_per_request = -(-128 // ws.rows_per_cta)
     fills = -(-TARGET_CTAS_PER_SM * NUM_SMS // ctas_per_request)  # smallest batch that fills the GPU
     assert ws.plan(fills, 1).num_splits == 1
@@ -650,6 +665,38 @@ def test_workspace_no_split_when_batch_fills_gpu():
     assert ws.plan(1, 1).num_splits == MAX_SPLITS
     # 128 heads x q_len 1 x 32 splits x 1 request would be 4096 rows; the worst case is larger
     assert ws.partial_rows >= 1 * 1 * 128 * MAX_SPLITS
+
+
+@pytest.mark.parametrize("heads", SUPPORTED_NUM_HEADS)
+def test_workspace_holds_the_plan_of_every_family_tile(heads):
+    """A workspace made without a tile serves every family that may run on its device (on CPU: all of them),
+    each planning for its own CTA height; a workspace made for a short tile refuses a taller one (fewer m-blocks
+    per request: more work items, more partial slots) with the fix in the message."""
+    from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
+    from mla_backend_plugin.ops.registry import plan_rows_for
+
+    ws = MLAWorkspace(device="cpu", max_batch=40, max_q_len=4, num_heads=heads, num_sms=NUM_SMS)
+    tiles = {m.name: m.plan_tile(heads, None, None) for m in KERNELS.values() if m.plan_tile is not None}
+    assert ws.plan_rows == plan_rows_for(heads, "cpu") == tuple(sorted({t.rows_per_cta for t in tiles.values()}))
+    assert tiles["cute_sm90"].rows_per_cta == 64 and tiles["xqa_sm120"].rows_per_cta == 32
+    for batch in (1, 3, 17, 40):
+        for q_len in (1, 2, 4):
+            inp = make_decode_inputs(batch, [5] * batch, q_len, heads, 16, BF16, "cat", "cpu", 0, poison=None)
+            args = prepare_args(*inp.call_args(), softmax_scale=SOFTMAX_SCALE)
+            for name, tile in tiles.items():
+                for plan_name in ("balanced", "uniform"):
+                    plan = ws.plan_for(args, tile, LaunchConfig(split_plan=plan_name))
+                    assert plan.rows_per_cta == tile.rows_per_cta, name
+    small = MLAWorkspace(device="cpu", max_batch=4, max_q_len=1, num_heads=128, num_sms=NUM_SMS, rows_per_cta=16)
+    inp = make_decode_inputs(1, [5], 1, 128, 16, BF16, "cat", "cpu", 0, poison=None)
+    args = prepare_args(*inp.call_args(), softmax_scale=SOFTMAX_SCALE)
+    small.plan_for(args, PlanTile(16, 64), LaunchConfig())
+    with pytest.raises(ValueError, match=r"workspace: a 128-row tile needs \d+ partial rows.*plan_rows="):
+        small.plan_for(args, PlanTile(128, 64), LaunchConfig(split_plan="uniform"))
+    with pytest.raises(ValueError, match=r"max_splits=64 exceeds the workspace's max_splits=32"):
+        small.plan_for(args, PlanTile(16, 64), LaunchConfig(max_splits=64))
+    with pytest.raises(ValueError, match=r"several tiles"):
+        ws.plan(1, 1)
 
 
 def test_workspace_check_fits_errors():

@@ -4,9 +4,9 @@ Each test runs once per kernel of ``registry.KERNELS`` (the reference excepted) 
 cannot run on this GPU (``unsupported_reason``); ``MLA_TEST_KERNELS=cute_sm90,triton`` narrows the list.
 
 Every call writes into NaN-poisoned ``out``/``lse`` so an element the kernel forgets to write fails, and the
-inputs come from ``make_decode_inputs`` (permuted pages, garbage block-table padding, poisoned unused KV
-slots, q_pe as a strided view). The axes (batch, KV length, q_len, heads, block size, dtypes, scale forms)
-are covered by several small grids instead of their full product, to keep the file to a few minutes:
+inputs come from ``make_decode_inputs`` (permuted pages, garbage block-table padding pointing at spare pages,
+poisoned unused KV slots, q_pe as a strided view). The axes (batch, KV length, q_len, heads, block size, dtypes,
+scale forms) are covered by several small grids instead of their full product, to keep the file to a few minutes:
 
 * ``test_batch_seq_grid``: every (batch, seq_len) pair, bf16, q_len 1, 128 heads, block 64;
 * ``test_qlen_heads_dtype_block``: every (q_len, heads, KV dtype, block size) at batch 3, ~300 tokens, with
@@ -29,12 +29,15 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
-from mla_backend_plugin.ops.api import KERNEL_ENV_VAR
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
-from mla_testutils import (assert_close_decode, capture_graph, draw_seq_lens, make_decode_inputs,
-                           select_kernel_for_test)
+from mla_backend_plugin.testing import (
+    assert_close_decode,
+    capture_graph,
+    draw_seq_lens,
+    make_decode_inputs,
+    select_kernel_for_test,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +53,8 @@ Q_LENS = (1, 2, 4)
 HEADS = (16, 128)
 BLOCK_SIZES = (16, 32, 64)
 
+KERNEL_ENV_VAR = "CUTE_MLA_KERNEL"
+
 
 @pytest.fixture(autouse=True)
 def _no_kernel_env(monkeypatch):
@@ -63,6 +68,7 @@ def kernel_under_test(request, monkeypatch):
 
 def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
 
 
 def _sync() -> None:
@@ -100,7 +106,8 @@ def _check(inp, *, scales_as_tensor=False, kernel=None, workspace=None, msg=""):
 def test_batch_seq_grid(batch, seq):
     bs = 64
     lens = draw_seq_lens(batch, seq, block_size=bs, seed=_seed(batch, seq), max_total_tokens=MAX_TOTAL_TOKENS)
-    inp = make_decode_inputs(batch, lens, 1, 128, bs, BF16, "pair", DEVICE, _seed("grid", batch, seq))
+    seed = _seed("grid", batch, seq)
+    inp = make_decode_inputs(batch, lens, 1, 128, bs, BF16, "pair", DEVICE, seed)
     _check(inp)
 
 
@@ -340,9 +347,9 @@ def test_q_pair_16bit_and_fp8_cat():
                                       pair.block_table, pair.seq_lens, softmax_scale=pair.softmax_scale,
                                       kernel=KERNEL)
     _sync()
-    for o, l in ((out_cat, lse_cat), (out_views, lse_views)):
+    for o, lse_o in ((out_cat, lse_cat), (out_views, lse_views)):
         torch.testing.assert_close(o.float(), out_pair.float(), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(l, lse_pair, rtol=0, atol=1e-3)
+        torch.testing.assert_close(lse_o, lse_pair, rtol=0, atol=1e-3)
 
     # fp8 q in the cat form: out_dtype given (no out), q_scale as a float and as a tensor
     f8 = make_decode_inputs(batch, lens, q_len, heads, bs, BF16, "fp8", DEVICE, seed + 1, q_scale=2.0)
@@ -445,7 +452,7 @@ def test_cuda_graph_replay(kv_kind):
         mla_decode((q_nope, q_pe), kv_cache, block_table, seq_lens, softmax_scale=static.softmax_scale,
                    kv_scale=kv_scale, out=out, lse=lse, workspace=ws, kernel=KERNEL)
 
-    graph = capture_graph(run)
+    graph = capture_graph(lambda _: run())
 
     rounds = [
         ("new-content", capture_lens, 3.0),

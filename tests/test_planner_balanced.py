@@ -145,11 +145,13 @@ def test_schedule_invariants_and_bounds(heads, q_len, num_sms, max_splits, block
 
 def test_workspace_holds_balanced_plan():
     ws = MLAWorkspace("cpu", max_batch=300, max_q_len=4, num_heads=128, num_sms=NUM_SMS)
-    for q_len in range(1, 5):
-        for batch in range(1, 301):
-            plan = ws.plan(batch, q_len, balanced=True)
-            assert plan.max_slots * q_len * 128 <= ws.partial_out.shape[0] == ws.partial_lse.shape[0]
-            assert 1 + 3 * plan.max_split_requests <= ws.split_index.numel()
+    assert len(ws.plan_rows) > 1  # every family's tile
+    for rows in ws.plan_rows:
+        for q_len in range(1, 5):
+            for batch in range(1, 301):
+                plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=rows)
+                assert plan.max_slots * q_len * 128 <= ws.partial_out.shape[0] == ws.partial_lse.shape[0]
+                assert 1 + 3 * plan.max_split_requests <= ws.split_index.numel()
     assert ws.partial_rows_balanced <= ws.partial_out.shape[0]
     # the balanced plan needs no more than the uniform one's worst case, plus a few slots
     assert ws.partial_rows_balanced <= ws.partial_rows + 2 * 4 * 128
@@ -163,11 +165,12 @@ def test_balanced_kernels_in_interpreter():
 
 
 def test_balanced_kernels_compile_for_sm90():
-    """The balanced split and combine kernels build for sm_90a with no GPU (compile.py does not list them yet);
-    the split kernel stays within the H100's shared memory."""
+    """The balanced split and combine kernels build for sm_90a with no GPU; the split kernel stays within the
+    H100's shared memory."""
     pytest.importorskip("triton")
-    from mla_backend_plugin.compile import build_triton, triton_split_spec
+    from mla_backend_plugin.kernels.combine import kernel as combine_kernels
     from mla_backend_plugin.kernels.triton_decode import kernel as k
+    from mla_backend_plugin.kernels.triton_decode.build import build_triton, triton_split_spec
     from mla_backend_plugin.kernels.triton_decode.config import config_for
     from mla_backend_plugin.ops.constants import KV_LORA_RANK
 
@@ -178,7 +181,7 @@ def test_balanced_kernels_compile_for_sm90():
     split = build_triton(k._mla_decode_split_balanced_kernel, pointers, constexprs, options, cc=90)
     assert split.metadata.shared <= 232_448
     combine = build_triton(
-        k._mla_decode_combine_balanced_kernel,
+        combine_kernels.combine_balanced_kernel,
         {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
          "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
         {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 4, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 32,

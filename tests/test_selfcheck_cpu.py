@@ -13,28 +13,40 @@ import torch
 
 from mla_backend_plugin.ops import registry, selfcheck
 from mla_backend_plugin.ops.api import mla_decode
-from mla_testutils import SOFTMAX_SCALE, make_decode_inputs
+from mla_backend_plugin.testing import SOFTMAX_SCALE, make_decode_inputs
 
 REFERENCE = registry.KERNELS["reference"]
 GOOD = dataclasses.replace(REFERENCE, name="good", verified_archs=frozenset())
 
 
-def _skips_last_row(args, workspace):
-    REFERENCE.launch(args, workspace)
+def _skips_last_row(args, workspace, config):
+    REFERENCE.launch(args, workspace, config)
     args.out[-1].fill_(float("nan"))
 
 
-def _slightly_wrong(args, workspace):
-    REFERENCE.launch(args, workspace)
+def _slightly_wrong(args, workspace, config):
+    REFERENCE.launch(args, workspace, config)
     args.out.mul_(1.1)
 
 
-def _raises(args, workspace):
+def _raises(args, workspace, config):
     raise RuntimeError("illegal instruction")
 
 
+def _reads_whole_last_page(args, workspace, config):
+    """Attends over the whole last page of each request, slots past its length included (masked or not, a
+    NaN there reaches the output once it is multiplied into V)."""
+    import copy
+
+    page = args.kv_cache.shape[1]
+    padded = copy.copy(args)
+    padded.seq_lens = (args.seq_lens + page - 1) // page * page
+    REFERENCE.launch(padded, workspace, config)
+
+
 BAD = {name: dataclasses.replace(REFERENCE, name=name, launch=fn, verified_archs=frozenset())
-       for name, fn in (("unwritten", _skips_last_row), ("wrong", _slightly_wrong), ("raises", _raises))}
+       for name, fn in (("unwritten", _skips_last_row), ("wrong", _slightly_wrong), ("raises", _raises),
+                        ("reads_tail", _reads_whole_last_page))}
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +62,7 @@ def fresh_results(monkeypatch):
 def fake_sm120(monkeypatch):
     kernels = {"good": GOOD, **BAD}
     monkeypatch.setattr(registry, "KERNELS", kernels)
-    monkeypatch.setattr(registry, "AUTO_ORDER", {12: ("unwritten", "wrong", "raises", "good")})
+    monkeypatch.setattr(registry, "AUTO_ORDER", {12: ("unwritten", "wrong", "raises", "reads_tail", "good")})
     monkeypatch.setattr(registry, "device_capability", lambda device: (12, 0))
     return kernels
 
@@ -59,8 +71,9 @@ def test_reference_passes_its_own_check():
     assert selfcheck.run_self_check(GOOD, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("name,expected", [("unwritten", "NaN/inf"), ("wrong", "exceeds tolerance"),
-                                           ("raises", "raised RuntimeError: illegal instruction")])
+@pytest.mark.parametrize("name,expected", [("unwritten", "NaN/inf in out"), ("wrong", "beyond atol"),
+                                           ("raises", "raised RuntimeError: illegal instruction"),
+                                           ("reads_tail", "out")])
 def test_broken_kernels_fail_with_a_reason(name, expected):
     reason = selfcheck.run_self_check(BAD[name], torch.device("cpu"))
     assert reason is not None and expected in reason, reason
@@ -75,7 +88,7 @@ def test_auto_skips_kernels_that_fail_and_warns(fake_sm120):
     inp = _inputs()
     with pytest.warns(RuntimeWarning, match="failed its self-check") as record:
         out, lse = mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, softmax_scale=SOFTMAX_SCALE)
-    assert len(record) == 3  # unwritten, wrong, raises: each skipped once
+    assert len(record) == 4  # unwritten, wrong, raises, reads_tail: each skipped once
     ref_out, ref_lse = inp.reference()
     torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
     # results are cached: no new warnings, no new checks

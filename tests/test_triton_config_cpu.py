@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from mla_backend_plugin.compile import SMEM_PER_BLOCK, build_triton, triton_split_spec
+from mla_backend_plugin.kernels.triton_decode.build import build_triton, triton_split_spec
 from mla_backend_plugin.kernels.triton_decode.config import SMEM_BYTES, config_for, smem_bytes
+from mla_backend_plugin.ops.arch import ARCHS
+
+SMEM_PER_BLOCK = {a.cc_int: a.smem_per_block for a in ARCHS.values()}
 
 
 @pytest.mark.parametrize("cc", sorted(SMEM_PER_BLOCK))

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cuda_driver_stub import env_with_driver
 from vllm_cpu_harness import SCENARIOS
 

@@ -217,16 +217,21 @@ def test_params_struct_matches_header():
     assert mirror == fields
     consts = build.header_constants()
     assert consts["XQA_MLA_SMEM_BYTES"] <= 99 * 1024 and consts["XQA_MLA_BLOCK_N"] == 32
+    # the plan tile the workspace sizes for is the kernel's tile
+    assert (consts["XQA_MLA_BLOCK_M"], consts["XQA_MLA_BLOCK_N"]) == (launch.BLOCK_M, launch.BLOCK_N)
 
 
-def test_pdl_env(monkeypatch):
-    monkeypatch.delenv(launch.PDL_ENV_VAR, raising=False)
-    assert launch.pdl_enabled()
-    monkeypatch.setenv(launch.PDL_ENV_VAR, "0")
-    assert not launch.pdl_enabled()
-    monkeypatch.setenv(launch.PDL_ENV_VAR, "maybe")
-    with pytest.raises(ValueError, match="CUTE_MLA_PDL"):
-        launch.pdl_enabled()
+def test_launch_configs(monkeypatch):
+    """Uniform plan only; PDL from CUTE_MLA_PDL by default, both settings offered to a tuner."""
+    monkeypatch.delenv("CUTE_MLA_PDL", raising=False)
+    assert launch.default_config(None, (12, 0)).enable_pdl
+    monkeypatch.setenv("CUTE_MLA_PDL", "0")
+    first, *rest = launch.configs(None, (12, 0))
+    assert not first.enable_pdl and first.split_plan == "uniform" and [c.enable_pdl for c in rest] == [True]
+    monkeypatch.setenv("CUTE_MLA_PDL", "maybe")
+    with pytest.raises(ValueError, match="CUTE_MLA_PDL='maybe': allowed values are 1, true"):
+        launch.default_config(None, (12, 0))
+    assert launch.arch_for((12, 1)) == "sm_121a" and launch.arch_for((10, 0)) is None
 
 
 def test_split_kernel_choice():

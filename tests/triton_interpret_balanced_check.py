@@ -6,7 +6,7 @@ ones at a batch that already fills the pretend GPU) through the real balanced sp
 poisoned with NaN first, vs the float32 reference; the device's schedule (the combine's list in
 workspace.split_index) must equal the Python reference ``balanced_schedule``; a second call with other seq_lens
 on the same workspace (as a CUDA-graph replay would) must not read the first call's stale list; the uniform
-plan (still used by cute_sm90 / xqa_sm120) runs through the same kernels with balanced=False. Prints PASS.
+plan (xqa_sm120's) runs through the same kernels with a uniform launch config. Prints PASS.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch
-from mla_testutils import SOFTMAX_SCALE, assert_close_decode, make_decode_inputs
 
 from mla_backend_plugin.kernels.triton_decode.config import config_for
 from mla_backend_plugin.kernels.triton_decode.kernel import launch
 from mla_backend_plugin.ops.api import prepare_args
+from mla_backend_plugin.ops.manifest import LaunchConfig
 from mla_backend_plugin.ops.workspace import MLAWorkspace, balanced_schedule
+from mla_backend_plugin.testing import SOFTMAX_SCALE, assert_close_decode, make_decode_inputs
 
 # (kv dtype, seq_lens, q_len, heads, page size, pretend SMs, max_splits, balanced, want: request -> min splits)
 CASES = [
@@ -43,14 +44,15 @@ def run(kv_dtype, seq_lens, q_len, heads, page, num_sms, max_splits, balanced, w
                              kv_scale=2.0 if kv_dtype == torch.float8_e4m3fn else None)
     args = prepare_args(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, softmax_scale=SOFTMAX_SCALE,
                         q_scale=inp.q_scale, kv_scale=inp.kv_scale)
+    cfg = config_for(heads)
     if ws is None:
         ws = MLAWorkspace("cpu", max_batch=len(seq_lens), max_q_len=q_len, num_heads=heads, num_sms=num_sms,
-                          max_splits=max_splits)
+                          max_splits=max_splits, rows_per_cta=cfg.block_m)
     args.out.fill_(float("nan"))
     args.lse.fill_(float("nan"))
     ws.partial_out.fill_(float("nan"))
     ws.partial_lse.fill_(float("nan"))
-    launch(args, ws, balanced=balanced)
+    launch(args, ws, LaunchConfig(split_plan="balanced" if balanced else "uniform", enable_pdl=False, tile=cfg.tile))
     assert_close_decode(args.out, args.lse, *inp.reference(), kv_dtype, msg=f"seq_lens {seq_lens}")
     return ws
 

@@ -16,10 +16,12 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+from mla_backend_plugin.kernels.triton_decode.config import config_for  # noqa: E402
 from mla_backend_plugin.kernels.triton_decode.kernel import launch  # noqa: E402
 from mla_backend_plugin.ops.api import prepare_args  # noqa: E402
+from mla_backend_plugin.ops.manifest import LaunchConfig  # noqa: E402
 from mla_backend_plugin.ops.workspace import MLAWorkspace  # noqa: E402
-from mla_testutils import SOFTMAX_SCALE, assert_close_decode, make_decode_inputs  # noqa: E402
+from mla_backend_plugin.testing import SOFTMAX_SCALE, assert_close_decode, make_decode_inputs  # noqa: E402
 
 # (kv dtype, seq_lens, q_len, heads, block size, max_splits): max_splits 1 writes the output directly, more
 # goes through the combine; 300 tokens make 3 splits of a 128-token minimum chunk, 70 one, 1 < q_len none.
@@ -39,13 +41,14 @@ def main() -> None:
         args = prepare_args(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, softmax_scale=SOFTMAX_SCALE,
                             q_scale=inp.q_scale, kv_scale=inp.kv_scale)
         # 64 pretend SMs so that these tiny batches are split (up to max_splits)
+        cfg = config_for(heads)
         ws = MLAWorkspace("cpu", max_batch=len(seq_lens), max_q_len=q_len, num_heads=heads, num_sms=64,
-                          max_splits=max_splits)
+                          max_splits=max_splits, rows_per_cta=cfg.block_m)
         args.out.fill_(float("nan"))
         args.lse.fill_(float("nan"))
-        launch(args, ws)
+        launch(args, ws, LaunchConfig(split_plan="balanced", enable_pdl=False, tile=cfg.tile))
         assert_close_decode(args.out, args.lse, *inp.reference(), kv_dtype)
-        print(f"case {i}: ok ({ws.plan(len(seq_lens), q_len).num_splits} splits planned)")
+        print(f"case {i}: ok ({ws.plan(len(seq_lens), q_len, balanced=True).max_slots} partial slots at most)")
     print("PASS")
 
 

@@ -183,7 +183,8 @@ def scenario_validation_reasons() -> None:
     compat.VLLM_VERSION, real_version = Version("0.25.1"), compat.VLLM_VERSION
     reasons = CuteMLABackend.validate_configuration(**base)
     compat.VLLM_VERSION = real_version
-    assert any("vLLM 0.25.1 is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0" in r for r in reasons), reasons
+    expected = "vLLM 0.25.1 is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0"
+    assert any(expected in r for r in reasons), reasons
     # The reason reaches the user through vLLM's selector
     install_fake_gpu(8, 0)
     try:

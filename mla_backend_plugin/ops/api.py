@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
+from mla_backend_plugin import envs
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
     KV_CACHE_DTYPES,
@@ -20,9 +20,8 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_Q_LENS,
     dtype_names,
 )
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig
 from mla_backend_plugin.ops.workspace import MLAWorkspace, default_workspace
-
-KERNEL_ENV_VAR = "CUTE_MLA_KERNEL"
 
 Scale = float | torch.Tensor | None
 
@@ -204,6 +203,9 @@ def mla_decode(
     out_dtype: torch.dtype | None = None,
     workspace: MLAWorkspace | None = None,
     kernel: str = "auto",
+    enable_pdl: bool | None = None,
+    fp8_design: str | None = None,
+    config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
@@ -223,20 +225,39 @@ def mla_decode(
         workspace: an ``MLAWorkspace``; required for CUDA-graph capture (a cached one is used otherwise).
         kernel: ``"auto"`` (the best verified kernel for this GPU and shape), or a kernel name from
             ``available_kernels()``. The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
+        enable_pdl: programmatic dependent launch (SM90+); None = the kernel's default (``CUTE_MLA_PDL``).
+        fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"`` or ``"dequant"``; None = ``CUTE_MLA_FP8_DESIGN``.
+            Kernels without the choice ignore it.
+        config: a complete ``LaunchConfig`` (one of the kernel's ``configs()``, e.g. a tuner's choice); the
+            two keywords above still override its fields.
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
     """
-    from mla_backend_plugin.ops.registry import select_kernel
+    from mla_backend_plugin.ops.registry import device_capability, select_kernel
 
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype)
     if kernel == "auto":
-        kernel = os.environ.get(KERNEL_ENV_VAR, "auto") or "auto"
+        kernel = envs.CUTE_MLA_KERNEL
     spec = select_kernel(args, kernel)
+    cc = device_capability(args.q_nope.device)
+    if config is None:
+        config = spec.default_config(args, cc)
+    elif not isinstance(config, LaunchConfig):
+        _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
+    if enable_pdl is not None:
+        if enable_pdl and (cc is None or cc < (9, 0)):
+            _fail("enable_pdl", f"PDL needs compute capability >= 9.0, device has {cc}; pass None or False")
+        config = dataclasses.replace(config, enable_pdl=bool(enable_pdl))
+    if fp8_design is not None:
+        if fp8_design not in FP8_DESIGNS:
+            _fail("fp8_design", f"{fp8_design!r} is not a design; allowed: {', '.join(FP8_DESIGNS)}")
+        if args.kv_dtype == FP8_DTYPE:
+            config = dataclasses.replace(config, fp8_design=fp8_design)
     if spec.needs_workspace:
         if workspace is None:
             workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
         workspace.check_fits(args.batch, args.q_len, args.num_heads, args.q_nope.device)
-    spec.launch(args, workspace)
+    spec.launch(args, workspace, config)
     return args.out, args.lse

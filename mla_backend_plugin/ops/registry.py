@@ -1,96 +1,34 @@
 """The one place that maps a GPU architecture to the decode kernels that may run on it.
 
-``KERNELS`` lists every kernel this package has; ``AUTO_ORDER`` says, per compute-capability major
-version, which kernels ``kernel="auto"`` tries, best first. A kernel is picked only when it supports
-the GPU and the call's shapes and dtypes; otherwise the next one is tried. On an architecture outside a
-kernel's ``verified_archs`` (where our GPU test suite has not run it), the kernel must first pass a
-self-check against the reference (ops/selfcheck.py); one that fails is skipped with a warning.
+``KERNELS`` holds every kernel family's manifest (``kernels/<family>/__init__.py`` exports ``MANIFEST``; the
+folders are found by walking ``kernels/`` on first use, so a new family is one folder plus its entry in
+``AUTO_ORDER``). ``AUTO_ORDER`` says, per compute-capability major version, which kernels ``kernel="auto"``
+tries, best first. A kernel is picked only when it supports the GPU and the call's shapes and dtypes;
+otherwise the next one is tried. On an architecture outside a kernel's ``verified_archs`` (where our GPU test
+suite has not run it), the kernel must first pass a self-check against the reference (ops/selfcheck.py); one
+that fails is skipped with a warning.
+
+Importing this module imports no kernel family: ``KERNELS`` loads the manifests (cheap ``__init__`` modules)
+the first time it is read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+import logging
+import pkgutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.ops.arch import device_capability, device_smem_per_block
+from mla_backend_plugin.ops.manifest import KernelManifest, LaunchConfig
 
+logger = logging.getLogger("mla_backend_plugin")
 
-@dataclasses.dataclass(frozen=True)
-class KernelSpec:
-    name: str
-    description: str
-    # returns None when the kernel can run this call on this device, else the reason it cannot
-    unsupported_reason: Callable[["DecodeArgs", tuple[int, int] | None], str | None]  # noqa: F821
-    launch: Callable[["DecodeArgs", object], None]  # noqa: F821
-    needs_workspace: bool
-    # compute capabilities where the GPU test suite passed on real hardware; None = everywhere (reference)
-    verified_archs: frozenset[tuple[int, int]] | None = None
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
-def _triton_unsupported(args, cc) -> str | None:
-    if cc is None:
-        return "needs a CUDA device"
-    if cc < (8, 0):
-        return f"needs compute capability >= 8.0, device has {cc[0]}.{cc[1]}"
-    if FP8_DTYPE in (args.kv_dtype, args.q_dtype) and cc < (8, 9):
-        return f"fp8 needs compute capability >= 8.9, device has {cc[0]}.{cc[1]}"
-    return None
-
-
-def _triton_launch(args, workspace) -> None:
-    from mla_backend_plugin.kernels.triton_decode.kernel import launch
-
-    launch(args, workspace)
-
-
-def _family(module: str, attr: str):
-    """A kernel family's function, imported on first use so that the registry imports no kernel toolchain."""
-    def call(*a):
-        return getattr(importlib.import_module(f"mla_backend_plugin.kernels.{module}"), attr)(*a)
-    call.__name__ = f"{module}.{attr}"
-    return call
-
-
-def _reference_launch(args, workspace) -> None:
-    from mla_backend_plugin.kernels.reference import mla_decode_reference
-
-    out, lse = mla_decode_reference(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens,
-                                    args.q_len, args.softmax_scale, args.q_scale, args.kv_scale)
-    args.out.copy_(out)
-    args.lse.copy_(lse)
-
-
-KERNELS: dict[str, KernelSpec] = {
-    spec.name: spec
-    for spec in (
-        KernelSpec("triton", "Triton split-KV decode + combine (any SM80+ GPU)",
-                   _triton_unsupported, _triton_launch, needs_workspace=True,
-                   verified_archs=frozenset({(9, 0)})),  # H100 (tests/test_ops_gpu.py, docs/STATUS.md)
-        # CuTe-DSL wgmma + TMA kernel for Hopper (kernels/cute_sm90)
-        KernelSpec("cute_sm90", "CuTe-DSL SM90 decode: wgmma, TMA, warp-specialised (Hopper only)",
-                   _family("cute_sm90.launch", "unsupported_reason"), _family("cute_sm90.launch", "launch"),
-                   needs_workspace=True,
-                   verified_archs=frozenset({(9, 0)})),  # H100: tests/test_ops_gpu.py + test_kernel_features_gpu.py
-
-        # CUDA C++ mma.sync kernel for SM120/121, also built for sm_90a (kernels/xqa_sm120, csrc/xqa_mla)
-        KernelSpec("xqa_sm120", "CUDA C++ XQA-style decode: mma.sync + TMA (SM120/121; sm_90a build for tests)",
-                   _family("xqa_sm120.launch", "unsupported_reason"), _family("xqa_sm120.launch", "launch"),
-                   # H100 through the sm_90a build; SM120/121 never run here, so the self-check guards them
-                   needs_workspace=True, verified_archs=frozenset({(9, 0)})),
-        KernelSpec("reference", "float32 torch reference (slow, host loop, not CUDA-graph safe)",
-                   lambda args, cc: None, _reference_launch, needs_workspace=False),
-    )
-}
+# Kept for callers that name the manifest by its old role.
+KernelSpec = KernelManifest
 
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
@@ -105,14 +43,70 @@ AUTO_ORDER: dict[int, tuple[str, ...]] = {
 }
 
 
+def _discover() -> dict[str, KernelManifest]:
+    import mla_backend_plugin.kernels as kernels_pkg
+
+    found: dict[str, KernelManifest] = {}
+    for info in sorted(pkgutil.iter_modules(kernels_pkg.__path__), key=lambda m: m.name):
+        if not info.ispkg:
+            continue
+        module = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        manifest = getattr(module, "MANIFEST", None)
+        if manifest is None:
+            continue  # shared pieces (cute_common, combine)
+        if manifest.name in found:
+            raise RuntimeError(f"two kernel families are named {manifest.name!r}")
+        found[manifest.name] = manifest
+    order = [name for names in AUTO_ORDER.values() for name in names]
+    missing = sorted(set(order) - set(found))
+    if missing:
+        raise RuntimeError(f"AUTO_ORDER names kernels no family declares: {missing}")
+    return found
+
+
+class _Manifests(Mapping):
+    """name -> KernelManifest, read from the kernel folders on first access."""
+
+    def __init__(self):
+        self._loaded: dict[str, KernelManifest] | None = None
+
+    def _all(self) -> dict[str, KernelManifest]:
+        if self._loaded is None:
+            self._loaded = _discover()
+        return self._loaded
+
+    def __getitem__(self, name: str) -> KernelManifest:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+KERNELS: Mapping[str, KernelManifest] = _Manifests()
+
 _WARNED: set[tuple[str, str]] = set()
+_ANNOUNCED: set[tuple[str, str]] = set()
 
 
 def available_kernels() -> tuple[str, ...]:
     return tuple(KERNELS)
 
 
-def self_check_failure(spec: KernelSpec, device: torch.device, cc: tuple[int, int] | None) -> str | None:
+def plan_rows_for(num_heads: int, device) -> tuple[int, ...]:
+    """The CTA row heights of every kernel that may run on ``device`` with its default tile (a workspace is
+    sized for all of them); every family's for a device that is not a GPU."""
+    cc = device_capability(device)
+    smem = device_smem_per_block(device)
+    majors = AUTO_ORDER.get(cc[0], ()) if cc is not None else tuple(KERNELS)
+    rows = {KERNELS[name].plan_tile(num_heads, smem, None).rows_per_cta
+            for name in majors if KERNELS[name].plan_tile is not None}
+    return tuple(sorted(rows)) or (64,)
+
+
+def self_check_failure(spec: KernelManifest, device: torch.device, cc: tuple[int, int] | None) -> str | None:
     """None when ``spec`` may run on this device; else why its first-use self-check failed."""
     from mla_backend_plugin.ops.selfcheck import self_check, self_check_mode
 
@@ -123,7 +117,15 @@ def self_check_failure(spec: KernelSpec, device: torch.device, cc: tuple[int, in
     return self_check(spec, device)
 
 
-def select_kernel(args, name: str = "auto") -> KernelSpec:
+def _announce(spec: KernelManifest, device, cc) -> None:
+    key = (spec.name, str(device))
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        where = f"compute capability {cc[0]}.{cc[1]}" if cc else str(device)
+        logger.info("mla_decode: kernel %r on %s (%s)", spec.name, device, where)
+
+
+def select_kernel(args, name: str = "auto") -> KernelManifest:
     cc = device_capability(args.q_nope.device)
     if name != "auto":
         spec = KERNELS.get(name)
@@ -137,6 +139,7 @@ def select_kernel(args, name: str = "auto") -> KernelSpec:
         if failure is not None:
             raise RuntimeError(f"mla_decode: kernel {name!r} failed its self-check on compute capability "
                                f"{cc}: {failure}")
+        _announce(spec, args.q_nope.device, cc)
         return spec
     if cc is None:
         raise ValueError(f"mla_decode: q: kernels need a CUDA device, got {args.q_nope.device} "
@@ -152,6 +155,7 @@ def select_kernel(args, name: str = "auto") -> KernelSpec:
         if reason is None:
             failure = self_check_failure(spec, args.q_nope.device, cc)
             if failure is None:
+                _announce(spec, args.q_nope.device, cc)
                 return spec
             if (kname, str(args.q_nope.device)) not in _WARNED:  # once per kernel and device
                 _WARNED.add((kname, str(args.q_nope.device)))
@@ -160,3 +164,7 @@ def select_kernel(args, name: str = "auto") -> KernelSpec:
             reason = f"failed its self-check: {failure}"
         reasons.append(f"{kname}: {reason}")
     raise ValueError("mla_decode: no kernel supports this call: " + "; ".join(reasons))
+
+
+__all__ = ["AUTO_ORDER", "KERNELS", "KernelManifest", "KernelSpec", "LaunchConfig", "available_kernels",
+           "device_capability", "plan_rows_for", "select_kernel", "self_check_failure"]

@@ -7,10 +7,10 @@ it was made for. Nothing is allocated per call, so a CUDA graph captured once re
 Split-KV planning is two-level so that it stays correct under graph replay: the host fixes the grid from
 shapes alone (vLLM captures one graph per batch size), the device decides from seq_lens. Two device plans exist:
 
-* the uniform plan (``balanced=False``; xqa_sm120 until it is ported): the host's
+* the uniform plan (``balanced=False``; xqa_sm120, and Triton with CUTE_MLA_TRITON_SPLITS=uniform): the host's
   ``num_splits(batch, q_len)`` is the grid's z size, 1 once the batch fills the GPU, and each request takes
   ``min(num_splits, cdiv(seq_len, min_chunk))`` of those splits (``uniform_request_splits``);
-* the balanced plan (``balanced=True``; Triton and cute_sm90): the grid enumerates work items, every CTA reads all
+* the balanced plan (``balanced=True``; cute_sm90 and Triton): the grid enumerates work items, every CTA reads all
   seq_lens and derives the same schedule, which gives each request a number of equal chunks proportional to
   its share of the batch's KV tiles, so one long request in a batch of short ones is split even at large
   batch sizes while a uniform batch that fills the GPU is not split at all (``balanced_schedule`` documents
@@ -33,9 +33,8 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_Q_LENS,
 )
 
-# Split the KV sequence until the grid has this many CTAs per SM. The Triton tile (64 rows, 147 KB of shared
-# memory) leaves room for one resident CTA per SM on Hopper, and 1 measured best: 12-18% faster than 2 at
-# B=8..64 on an H100, 3% slower only at B=64 q_len 2 (benchmarks/NOTES.md).
+# Split the KV sequence until the grid has this many CTAs per SM: the Triton, CuTe and XQA tiles each fill an
+# SM's shared memory, so one CTA is resident per SM (measured against 2 and 4: benchmarks/NOTES.md, Triton v3).
 TARGET_CTAS_PER_SM = 1
 MAX_SPLITS = 32
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
@@ -225,7 +224,12 @@ class MLAWorkspace:
         max_q_len: the largest q_len (1..4) a call will pass.
         num_heads: query heads per rank (16, 32, 64 or 128).
         num_sms: streaming multiprocessors to plan for; read from the device when None.
-        max_splits: cap on split-KV partitions per request.
+        max_splits: cap on split-KV partitions per request (a launch config may ask for fewer, not more).
+        min_chunk: default smallest chunk (tokens) of a split.
+        plan_rows: CTA row heights (``PlanTile.rows_per_cta``) of the kernels this workspace serves; the
+            buffers hold the worst plan of any of them. Default: every kernel that may run on ``device``
+            (``registry.plan_rows_for``).
+        rows_per_cta: shorthand for ``plan_rows=(rows_per_cta,)``.
         out_dtype: when given, the workspace also owns output buffers ``[max_batch * max_q_len, heads, 512]``
             (that dtype) and ``[max_batch * max_q_len, heads]`` (float32 LSE), so a caller such as the vLLM
             impl can return views of them instead of allocating per call.
@@ -234,7 +238,7 @@ class MLAWorkspace:
     def __init__(self, device, max_batch: int, max_q_len: int = 1, num_heads: int = 128,
                  num_sms: int | None = None, max_splits: int = MAX_SPLITS,
                  min_chunk: int = MIN_CHUNK_TOKENS, rows_per_cta: int | None = None,
-                 out_dtype: torch.dtype | None = None):
+                 out_dtype: torch.dtype | None = None, plan_rows: tuple[int, ...] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_q_len not in SUPPORTED_Q_LENS:
@@ -255,26 +259,33 @@ class MLAWorkspace:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = int(num_sms)
-        if rows_per_cta is None:
-            from mla_backend_plugin.kernels.triton_decode.config import device_smem_per_block, rows_per_cta_for
-            rows_per_cta = rows_per_cta_for(num_heads, device_smem_per_block(self.device))
-        self.rows_per_cta = int(rows_per_cta)
-        self._plans: dict[tuple[int, int, bool], SplitPlan] = {}
-        # Worst case over every batch size, q_len and both plans this workspace serves: the uniform plan
+        if rows_per_cta is not None:
+            if plan_rows is not None:
+                raise ValueError("pass rows_per_cta or plan_rows, not both")
+            plan_rows = (rows_per_cta,)
+        if plan_rows is None:
+            from mla_backend_plugin.ops.registry import plan_rows_for
+
+            plan_rows = plan_rows_for(num_heads, self.device)
+        self.plan_rows = tuple(sorted({int(r) for r in plan_rows}))
+        self._plans: dict[tuple, SplitPlan] = {}
+        # Worst case over every batch size, q_len, tile and both plans this workspace serves: the uniform plan
         # splits less as the batch grows, so batch * splits peaks somewhere in the middle; the balanced plan
         # needs at most max_slots (< 2 W) slots of q_len * H rows whatever the batch.
         worst_rows = worst_balanced = 0
         worst_index = 1
-        for q_len in range(1, self.max_q_len + 1):
-            for batch in range(1, self.max_batch + 1):
-                plan = self.plan(batch, q_len)
-                if plan.num_splits > 1:
-                    worst_rows = max(worst_rows, batch * q_len * num_heads * plan.num_splits)
-                bal = self.plan(batch, q_len, balanced=True)
-                worst_balanced = max(worst_balanced, bal.max_slots * q_len * num_heads)
-                worst_index = max(worst_index, 1 + 3 * bal.max_split_requests)
-        # partial rows the uniform plan needs (what cute_sm90 / xqa_sm120 check) and the balanced plan needs;
-        # the buffers hold the larger (the two differ by a few slots at most).
+        for rows_per in self.plan_rows:
+            for q_len in range(1, self.max_q_len + 1):
+                for batch in range(1, self.max_batch + 1):
+                    plan = self.plan(batch, q_len, rows_per_cta=rows_per)
+                    if plan.num_splits > 1:
+                        worst_rows = max(worst_rows, batch * q_len * num_heads * plan.num_splits)
+                    bal = self.plan(batch, q_len, balanced=True, rows_per_cta=rows_per)
+                    worst_balanced = max(worst_balanced, bal.max_slots * q_len * num_heads)
+                    worst_index = max(worst_index, 1 + 3 * bal.max_split_requests)
+        self._plans.clear()  # the sizing visited every batch size; calls plan only the few they use
+        # partial rows the uniform plan needs (xqa_sm120 checks it) and the balanced plan needs; the buffers hold
+        # the larger (the two differ by a few slots at most).
         self.partial_rows = worst_rows
         self.partial_rows_balanced = worst_balanced
         worst_rows = max(worst_rows, worst_balanced)
@@ -291,6 +302,13 @@ class MLAWorkspace:
             self.out_buffer = torch.empty(max_tokens, num_heads, KV_LORA_RANK, dtype=out_dtype, device=self.device)
             self.lse_buffer = torch.empty(max_tokens, num_heads, dtype=torch.float32, device=self.device)
 
+    @property
+    def rows_per_cta(self) -> int:
+        """The tile height of a single-tile workspace (``rows_per_cta=`` or one ``plan_rows`` entry)."""
+        if len(self.plan_rows) != 1:
+            raise ValueError(f"this workspace serves several tiles {self.plan_rows}: name rows_per_cta")
+        return self.plan_rows[0]
+
     def output_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the owned output buffers for ``num_tokens`` query tokens (no allocation)."""
         if self.out_buffer is None:
@@ -300,13 +318,37 @@ class MLAWorkspace:
                              f"{self.out_buffer.shape[0]}")
         return self.out_buffer[:num_tokens], self.lse_buffer[:num_tokens]
 
-    def plan(self, batch: int, q_len: int, balanced: bool = False) -> SplitPlan:
-        key = (batch, q_len, balanced)
+    def plan(self, batch: int, q_len: int, balanced: bool = False, rows_per_cta: int | None = None,
+             max_splits: int | None = None, min_chunk: int | None = None) -> SplitPlan:
+        """The split plan of a call (memoised): ``rows_per_cta`` is the launching kernel's tile (may be omitted
+        for a single-tile workspace), ``max_splits`` / ``min_chunk`` default to the workspace's."""
+        rows_per_cta = self.rows_per_cta if rows_per_cta is None else rows_per_cta
+        max_splits = self.max_splits if max_splits is None else max_splits
+        min_chunk = self.min_chunk if min_chunk is None else min_chunk
+        key = (batch, q_len, balanced, rows_per_cta, max_splits, min_chunk)
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_splits(batch, q_len, self.num_heads, self.rows_per_cta, self.num_sms,
-                               self.max_splits, self.min_chunk, balanced=balanced)
+            plan = plan_splits(batch, q_len, self.num_heads, rows_per_cta, self.num_sms, max_splits, min_chunk,
+                               balanced=balanced)
             self._plans[key] = plan
+        return plan
+
+    def plan_for(self, args, tile, config) -> SplitPlan:
+        """The plan a kernel with ``tile`` (PlanTile) runs ``args`` on under ``config`` (LaunchConfig), after
+        checking the buffers hold it; a config asking for more than the workspace was made for is refused."""
+        if config.max_splits is not None and config.max_splits > self.max_splits:
+            raise ValueError(f"mla_decode: config: max_splits={config.max_splits} exceeds the workspace's "
+                             f"max_splits={self.max_splits}")
+        plan = self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
+                         config.min_chunk)
+        rows = args.q_len * args.num_heads
+        need = (plan.max_slots * rows if plan.balanced else
+                (args.batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
+        if need > self.partial_out.shape[0] or (plan.balanced and
+                                               1 + 3 * plan.max_split_requests > self.split_index.numel()):
+            raise ValueError(f"mla_decode: workspace: a {tile.rows_per_cta}-row tile needs {need} partial rows; "
+                             f"this workspace holds {self.partial_out.shape[0]} (made for tiles "
+                             f"{self.plan_rows}: pass plan_rows= including {tile.rows_per_cta})")
         return plan
 
     def check_fits(self, batch: int, q_len: int, num_heads: int, device: torch.device) -> None:
@@ -328,8 +370,8 @@ class MLAWorkspace:
 
     def __repr__(self) -> str:
         return (f"MLAWorkspace(device={self.device}, max_batch={self.max_batch}, max_q_len={self.max_q_len}, "
-                f"num_heads={self.num_heads}, num_sms={self.num_sms}, partial_rows={self.partial_rows}, "
-                f"{self.nbytes / 2**20:.1f} MiB)")
+                f"num_heads={self.num_heads}, num_sms={self.num_sms}, plan_rows={self.plan_rows}, "
+                f"partial_rows={self.partial_rows}, {self.nbytes / 2**20:.1f} MiB)")
 
 
 _DEFAULT_WORKSPACES: dict[tuple, MLAWorkspace] = {}

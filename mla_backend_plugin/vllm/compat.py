@@ -5,6 +5,7 @@
   only, so the override takes ``**kwargs`` and reads what it needs.
 * ``AttentionBackend.get_supported_kernel_block_sizes`` gained an optional ``kv_cache_spec`` in 0.32.
 * ``AttentionBackend.validate_configuration`` grows keyword arguments over releases (``use_dcp``, ...).
+* ``AttentionBackendEnum`` is closed in 0.26 .. 0.31; 0.32 added ``register`` for named out-of-tree backends.
 """
 
 from __future__ import annotations
@@ -17,16 +18,26 @@ VLLM_VERSION = Version(version("vllm"))
 MIN_VLLM = Version("0.26.0")
 MAX_VLLM_EXCLUSIVE = Version("0.34.0")
 
-# Both 0.26 and 0.32 keep the MLA common classes here (older trees had vllm.v1.attention.backends.mla.common).
-from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402,F401
-    MLACommonBackend,
-    MLACommonDecodeMetadata,
-    MLACommonImpl,
-    MLACommonMetadata,
-    MLACommonMetadataBuilder,
-    QueryLenSupport,
-)
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType  # noqa: E402,F401
+# Where each vLLM class the backend builds on lives (both 0.26 and 0.32 keep the MLA common classes in
+# mla_attention; older trees had vllm.v1.attention.backends.mla.common). Imported on first use, so that the
+# plugin's registration, which runs in every vLLM process, imports only vLLM's registry modules.
+_CLASSES = {
+    **{name: "vllm.model_executor.layers.attention.mla_attention" for name in (
+        "MLACommonBackend", "MLACommonDecodeMetadata", "MLACommonImpl", "MLACommonMetadata",
+        "MLACommonMetadataBuilder", "QueryLenSupport")},
+    "AttentionCGSupport": "vllm.v1.attention.backend",
+    "AttentionType": "vllm.v1.attention.backend",
+}
+
+
+def __getattr__(name: str):
+    if name in _CLASSES:
+        import importlib
+
+        value = getattr(importlib.import_module(_CLASSES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_vllm_version() -> str | None:
@@ -34,3 +45,13 @@ def check_vllm_version() -> str | None:
     if not MIN_VLLM <= VLLM_VERSION < MAX_VLLM_EXCLUSIVE:
         return f"vLLM {VLLM_VERSION} is not supported; CUTE_MLA supports vLLM >= {MIN_VLLM}, < {MAX_VLLM_EXCLUSIVE}"
     return None
+
+
+def dcp_tot_seq_lens(build_decode_kwargs: dict):
+    """The total (all-rank) lengths ``_build_decode`` receives under decode context parallelism, if any."""
+    return build_decode_kwargs.get("dcp_tot_seq_lens_device")
+
+
+def has_named_backends(enum_cls) -> bool:
+    """vLLM >= 0.32: ``AttentionBackendEnum`` takes out-of-tree members through ``register``."""
+    return hasattr(enum_cls, "register")

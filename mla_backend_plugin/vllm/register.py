@@ -56,7 +56,9 @@ def _ensure_member(enum_cls, registry_module):
         member = enum_cls._member_map_[BACKEND_NAME]
         registry_module.register_backend(member, BACKEND_CLASS_PATH)
         return member
-    if hasattr(enum_cls, "register"):  # vLLM >= 0.32: named out-of-tree backends
+    from mla_backend_plugin.vllm.compat import has_named_backends
+
+    if has_named_backends(enum_cls):
         registry_module.register_backend(BACKEND_NAME, BACKEND_CLASS_PATH)
         return enum_cls[BACKEND_NAME]
     return _add_enum_member(enum_cls, BACKEND_NAME, BACKEND_CLASS_PATH)

@@ -16,10 +16,12 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
-from mla_backend_plugin.kernels.cute_sm90 import aot
+from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.cute_common import aot
+from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
-
-ARCHS = ("sm_90a",)
+from mla_backend_plugin.kernels.cute_sm90.launch import AOT
+from mla_backend_plugin.ops.manifest import VariantResult
 
 
 def serving_variants() -> list[Variant]:
@@ -65,22 +67,21 @@ def inspect_cubin(path: str) -> dict:
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
 
-def _export(compiled, variant: Variant, arch: str) -> None:
+def _export(compiled, variant: Variant, use_pdl: bool, arch: str) -> None:
     """Pre-build for serving: a GPU host then loads the library instead of compiling (no DSL needed there).
     A failure fails the variant only when the export was asked for (``--export-dir`` / CUTE_MLA_CUTE_CACHE)."""
     if aot.cache_root() is None:
         return
     try:
-        aot.export(compiled, variant, True, arch)
+        AOT.export(compiled, variant, use_pdl, arch)
     except Exception as e:
-        if os.environ.get(aot.CACHE_ENV_VAR, "").strip():
+        if os.environ.get(envs.VARIABLES[aot.CACHE_ENV_VAR].name, "").strip():
             raise RuntimeError(f"export to {aot.cache_root()} failed: {e}") from e
         warnings.warn(f"cute_sm90: could not export {variant.name} to {aot.cache_root()}: {e}", RuntimeWarning,
                       stacklevel=2)
 
 
 def _build_one(variant: Variant, arch: str):
-    from mla_backend_plugin.compile import VariantResult
     from mla_backend_plugin.kernels.cute_sm90.launch import compile_variant
 
     t0 = time.time()
@@ -94,7 +95,7 @@ def _build_one(variant: Variant, arch: str):
             with open(path, "wb") as f:
                 f.write(cubin)
             info = inspect_cubin(path)
-            _export(compiled, variant, arch)
+            _export(compiled, variant, True, arch)
         except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
             return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)
@@ -113,8 +114,8 @@ def _build_one(variant: Variant, arch: str):
 
 
 def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None):
-    if arch not in ARCHS:
-        raise ValueError(f"cute_sm90 is built for {ARCHS}, not {arch!r}")
+    if arch not in MANIFEST.archs:
+        raise ValueError(f"cute_sm90 is built for {MANIFEST.archs}, not {arch!r}")
     variants = serving_variants() if variants is None else variants
     jobs = jobs or min(len(variants), os.cpu_count() or 1, 8)
     with ProcessPoolExecutor(max_workers=jobs) as pool:

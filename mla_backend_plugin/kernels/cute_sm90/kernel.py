@@ -31,10 +31,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mla_backend_plugin.kernels.cute_common.barriers import consumer_barrier
+from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
+from mla_backend_plugin.kernels.cute_common.epilogue import LN2, OutputStore, load_scales
+from mla_backend_plugin.kernels.cute_common.scheduler import BalancedScheduler
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
@@ -52,7 +55,6 @@ D_NOPE = 512
 D_ROPE = 64
 D_QK = D_NOPE + D_ROPE
 K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
-LN2 = 0.6931471805599453
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
@@ -71,6 +73,8 @@ class Sm90MlaDecode:
         self.regs_consumer = REGS_CONSUMER_FP8 if self.fp8_kv else REGS_CONSUMER
         self.regs_producer = REGS_PRODUCER_FP8 if self.fp8_kv else REGS_PRODUCER_TMA
         self.tile_bytes = BLOCK_N * D_QK * self.cdtype.width // 8
+        self.scheduler = BalancedScheduler(BLOCK_N)
+        self.output = OutputStore(variant.num_heads, variant.q_len, BLOCK_M)
 
     # ------------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptor, launch
@@ -96,14 +100,14 @@ class Sm90MlaDecode:
                                                       (BLOCK_M, BLOCK_N // 2), warpgroup.OperandSource.RMEM)
         pv_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, MN_MAJOR, cutlass.Float32, (1, 2, 1),
                                                    (BLOCK_M, D_NOPE // 2))
-        q_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 1)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 1)
         # P (64 rows x 64 keys, 16-bit): each group writes its 32 key columns, both read all 64 as the A of P V
-        p_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), cd, 1)
-        kv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd,
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), cd, 1)
+        kv_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd,
                                                   KV_STAGES)
         # V = the first 512 columns of the same tile, read MN-major: with the atoms tiled K-first this view
         # addresses exactly the bytes of the K-major tile (64-column chunks 4096 elements apart).
-        v_layout_one = sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N),
+        v_layout_one = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N),
                                                      cd, 1)
         kv_stage_stride = BLOCK_N * D_QK
         v_outer = cute.append(cute.select(v_layout_one.outer, mode=[0, 1]),
@@ -146,9 +150,9 @@ class Sm90MlaDecode:
     # device side
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, qk_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
-               mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mOut: cute.Tensor,
-               mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
+    def kernel(self, qk_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor,
+               mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                mKVScale: cute.Tensor,
                q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
                mSplitIndex: cute.Tensor, num_splits: cutlass.Int32, min_chunk: cutlass.Int32,
@@ -159,7 +163,7 @@ class Sm90MlaDecode:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
@@ -191,8 +195,8 @@ class Sm90MlaDecode:
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx,
-                                                                             num_splits, min_chunk, work_target)
+        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+            mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -209,137 +213,6 @@ class Sm90MlaDecode:
                              n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
-
-    @cute.jit
-    def plan_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits, min_chunk,
-                  work_target):
-        """This CTA's work item: (request + 1, or 0 past the schedule's end; request b; its seq_len; its splits;
-        the item's KV range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
-        (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
-        b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
-        if tidx == 0 and mblk == 0:
-            if w == 0:
-                mSplitIndex[0] = num_split
-            if split == 0 and n_splits > 1:
-                mSplitIndex[1 + 3 * j] = b1 - 1
-                mSplitIndex[2 + 3 * j] = w
-                mSplitIndex[3 + 3 * j] = n_splits
-        b = cutlass.max(b1 - 1, 0)  # request 0 stands in past the end (never used there)
-        seq_len = mSeq[b]
-        kv_start = split * chunk
-        kv_end = cutlass.min(kv_start + chunk, seq_len)
-        n_tiles = cutlass.max(kv_end - kv_start + BLOCK_N - 1, 0) // BLOCK_N
-        return b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles
-
-    @cute.jit
-    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
-        """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
-        request; its chunk in tokens; its index j among split requests; J, the number of split requests).
-
-        The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
-        Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
-        step: lane l holds requests 4l..4l+3 of the step, so one warp scan per step gives every request's count
-        of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (a
-        dependent global load costs ~1 us while the other SMs stream KV)."""
-        batch = mSeq.shape[0]
-        lane = cute.arch.lane_idx()
-        # pass 1: T = sum_b tiles_b, then p (tiles per work item)
-        lane_total = cutlass.Int32(0)
-        for base in cutlass.range(0, batch, 128, unroll=1):
-            for u in cutlass.range_constexpr(4):
-                b = base + 4 * lane + u
-                if b < batch:
-                    lane_total = lane_total + cutlass.max((mSeq[b] + BLOCK_N - 1) // BLOCK_N, 1)
-        total = cute.arch.warp_reduction_sum(lane_total)
-        per_work = cutlass.max((min_chunk + BLOCK_N - 1) // BLOCK_N, (total + work_target - 1) // work_target)
-
-        # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
-        # requests), in order of b; totals NS (slots) and J (split requests)
-        hit_b1 = cutlass.Int32(0)
-        hit_split = cutlass.Int32(0)
-        hit_n = cutlass.Int32(0)
-        hit_chunk = cutlass.Int32(0)
-        hit_j = cutlass.Int32(0)
-        num_slots = cutlass.Int32(0)
-        num_split = cutlass.Int32(0)
-        for base in cutlass.range(0, batch, 128, unroll=1):
-            n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
-                mSeq, base, batch, per_work, num_splits, lane)
-            for u in cutlass.range_constexpr(4):
-                first = num_slots + slots_before[u]
-                if n[u] > 1 and first <= w and w < first + n[u]:
-                    hit_b1 = base + 4 * lane + u + 1
-                    hit_split = w - first
-                    hit_n = n[u]
-                    hit_chunk = chunk[u]
-                    hit_j = num_split + splits_before[u]
-            num_slots = num_slots + step_slots
-            num_split = num_split + step_splits
-        # pass 3, for CTAs past the split items: one item per unsplit request (w = NS + #unsplit requests
-        # before b = NS + b - #split requests before b), in order of b
-        if w >= num_slots:
-            splits_so_far = cutlass.Int32(0)
-            for base in cutlass.range(0, batch, 128, unroll=1):
-                n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
-                    mSeq, base, batch, per_work, num_splits, lane)
-                for u in cutlass.range_constexpr(4):
-                    b = base + 4 * lane + u
-                    if b < batch and n[u] == 1 and num_slots + b - (splits_so_far + splits_before[u]) == w:
-                        hit_b1 = b + 1
-                        hit_n = 1
-                        hit_chunk = chunk[u]
-                splits_so_far = splits_so_far + step_splits
-        # at most one lane holds the hit (none past the schedule's end: every lane's zeros are the answer)
-        hits = cute.arch.vote_ballot_sync(hit_b1 > 0)
-        src = cutlass.min(cute.arch.popc((hits & (0 - hits)) - 1), 31)  # the lowest set bit's lane
-        return (cute.arch.shuffle_sync(hit_b1, src), cute.arch.shuffle_sync(hit_split, src),
-                cute.arch.shuffle_sync(hit_n, src), cute.arch.shuffle_sync(hit_chunk, src),
-                cute.arch.shuffle_sync(hit_j, src), num_split)
-
-    @cute.jit
-    def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane):
-        """Requests base + 4 lane + u (u < 4) of one 128-request step of the balanced plan: their splits n_b
-        (0 past the batch) and chunks, the partial slots and split requests before each within the step, and
-        the step's totals. One warp scan of (slots | split requests << 16): a step has at most
-        128 * num_splits < 2^16 slots."""
-        n = [None] * 4
-        chunk = [None] * 4
-        lens = [None] * 4
-        for u in cutlass.range_constexpr(4):
-            seq_len = cutlass.Int32(-1)  # past the batch
-            if base + 4 * lane + u < batch:
-                seq_len = mSeq[base + 4 * lane + u]
-            lens[u] = seq_len
-        packed_before = [None] * 4
-        own = cutlass.Int32(0)
-        for u in cutlass.range_constexpr(4):
-            n_u = cutlass.Int32(0)
-            chunk_u = cutlass.Int32(0)
-            if lens[u] >= 0:
-                tiles = cutlass.max((lens[u] + BLOCK_N - 1) // BLOCK_N, 1)
-                n_u = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
-                ct = (tiles + n_u - 1) // n_u
-                n_u = (tiles + ct - 1) // ct
-                chunk_u = ct * BLOCK_N
-            n[u] = n_u
-            chunk[u] = chunk_u
-            packed_before[u] = own
-            if n_u > 1:
-                own = own + n_u + (1 << 16)
-        incl = own  # inclusive warp scan over the lanes
-        for d in cutlass.range_constexpr(5):
-            # clamp 0: shfl.up's lower lane bound (the default, 31, would return every lane its own value)
-            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
-            if lane >= (1 << d):
-                incl = incl + up
-        step = cute.arch.shuffle_sync(incl, 31)
-        slots_before = [None] * 4
-        splits_before = [None] * 4
-        for u in cutlass.range_constexpr(4):
-            before = incl - own + packed_before[u]
-            slots_before[u] = before & 0xFFFF
-            splits_before[u] = before >> 16
-        return n, chunk, slots_before, splits_before, step & 0xFFFF, step >> 16
 
     @cute.jit
     def produce_tma(self, kv_producer, tma_atom, tma_tensor, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles):
@@ -417,8 +290,8 @@ class Sm90MlaDecode:
         warpgroup.commit_group()
 
     @cute.jit
-    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse, mPartO,
-                mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse,
+                mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
                 kv_start, kv_end, n_tiles, ctid):
         H = self.v.num_heads
         QL = self.v.q_len
@@ -444,14 +317,10 @@ class Sm90MlaDecode:
             else:
                 dst.store(cute.zeros_like(dst.load()))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        consumer_barrier()
 
-        qscale = q_scale
-        if cutlass.const_expr(self.v.q_scale_is_ptr):
-            qscale = mQScale[0]
-        kscale = kv_scale
-        if cutlass.const_expr(self.v.kv_scale_is_ptr):
-            kscale = mKVScale[0]
+        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                     mKVScale)
         scale_log2 = sm_scale_log2 * qscale * kscale
 
         qk_thr = qk_mma.get_slice(ctid)
@@ -545,7 +414,7 @@ class Sm90MlaDecode:
                 sMaxX[grp * BLOCK_M + tScS[2 * half][0]] = m_loc[half]
         # (A) both groups' row maxima are posted; both groups also finished P_{j-1} V_{j-1} (waited
         # below before they got here), so P_j may overwrite P_{j-1}
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        consumer_barrier()
         alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
@@ -572,7 +441,7 @@ class Sm90MlaDecode:
         if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
             for v in cutlass.range_constexpr(n_o):
                 acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (C) all of P_j is in shared memory
+        consumer_barrier()  # (C) all of P_j is in shared memory
 
     @cute.jit
     def store_result(self, acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
@@ -580,9 +449,6 @@ class Sm90MlaDecode:
         """Epilogue of both consumer groups (either design): add the other group's half of each row sum, then
         an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its fp32 partial (O / l,
         log2 LSE) to slot w. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256)."""
-        H = self.v.num_heads
-        QL = self.v.q_len
-        rows = self.rows
         lane = ctid % 32
         n_o = cute.size(acc_o)
         # each group summed its own 32 keys of every tile: add the other group's half
@@ -590,7 +456,7 @@ class Sm90MlaDecode:
             row_sum[half] = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
             if lane % 4 == 0:
                 sSumX[grp * BLOCK_M + tScS[2 * half][0]] = row_sum[half]
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        consumer_barrier()
         for half in cutlass.range_constexpr(2):
             row_sum[half] = row_sum[half] + sSumX[(1 - grp) * BLOCK_M + tScS[2 * half][0]]
 
@@ -606,28 +472,25 @@ class Sm90MlaDecode:
                 l_v = row_max[half] + cute.math.log2(total, fastmath=False)
             inv[half] = i_v
             lse2[half] = l_v
+        rows = self.output.rows
         if n_splits == 1:
             for v in cutlass.range_constexpr(n_o):
-                half = (v >> 1) & 1
-                r = mblk * BLOCK_M + tOcO[v][0]
+                r = self.output.row(mblk, tOcO[v][0])
                 if r < rows:
-                    mOut[(b * QL + r // H, r % H, tOcO[v][1])] = (acc_o[v] * (inv[half] * kscale)).to(
-                        self.out_dtype)
+                    tok, h = self.output.final_index(b, r)
+                    mOut[(tok, h, tOcO[v][1])] = (acc_o[v] * (inv[(v >> 1) & 1] * kscale)).to(self.out_dtype)
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
-                    r = mblk * BLOCK_M + tScS[2 * half][0]
+                    r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
-                        mLse[(b * QL + r // H, r % H)] = lse2[half] * LN2
+                        mLse[self.output.final_index(b, r)] = lse2[half] * LN2
         else:
-            for v in cutlass.range_constexpr(n_o):
-                half = (v >> 1) & 1
-                r = mblk * BLOCK_M + tOcO[v][0]
+            for v in cutlass.range_constexpr(n_o):  # slot w of the plan
+                r = self.output.row(mblk, tOcO[v][0])
                 if r < rows:
-                    mPartO[(w * rows + r, tOcO[v][1])] = acc_o[v] * inv[half]  # slot w of the plan
+                    mPartO[(self.output.partial_index(w, r), tOcO[v][1])] = acc_o[v] * inv[(v >> 1) & 1]
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
-                    r = mblk * BLOCK_M + tScS[2 * half][0]
+                    r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
-                        mPartLse[w * rows + r] = lse2[half]
-
-
+                        mPartLse[self.output.partial_index(w, r)] = lse2[half]

@@ -16,27 +16,29 @@ cache to bf16 in shared memory and runs bf16 wgmma); what differs:
 * P is quantised to e4m3 as P * 256 (the 1/256 is folded into the output normalisation) and stored in
   shared memory; O += P V^T as fp8 SS wgmma m64n256k32 (each consumer group its 256 output columns).
 
-Barriers per KV stage (raw mbarriers): full_k (TMA bytes), full_v (128 producer threads: V^T written),
-empty_k (256 consumer threads after Q K^T + 128 producer threads after the transpose: the K tile may be
-overwritten), empty_v (256 consumer threads after P V: the V^T stage may be overwritten).
+Four mbarrier rings of STAGES slots (cute_common.barriers.MbarrierRing): full_k (TMA bytes), full_v (128
+producer threads: V^T written), empty_k (256 consumer threads after Q K^T + 128 producer threads after the
+transpose: the K tile may be overwritten), empty_v (256 consumer threads after P V: the V^T stage may be
+overwritten).
 
-Measured on an H100 (fp8 cache, 128 heads, page 64, CUDA graphs, median): B=128 S=8192 q_len 1 619 us (design
-A 900), q_len 2 1207 (A 1680); B=64 q_len 1 346 (A 486); B=1 S=8192 q_len 1 35.5 (A 32.0). Accuracy vs the
-float32 reference: rel. L2 error ~1.2e-2 (A ~1.8e-3), max |out err| <= 0.043 and LSE err <= 0.01, inside the
-fp8 tolerance (atol 0.15 / LSE 0.05); without Q_lo the LSE error reaches 0.165 and fails.
+Speed and accuracy against design A, and why Q_lo is needed: benchmarks/NOTES.md (cute_sm90 v3, fp8 design B).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from mla_backend_plugin.kernels.cute_common.barriers import MbarrierRing, consumer_barrier
+from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
+from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
 from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, Variant
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
 
@@ -83,6 +85,14 @@ def _prmt(a, b, sel, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Rings:
+    full_k: MbarrierRing  # TMA landed the K tile (expect-tx bytes)
+    full_v: MbarrierRing  # the producer warp group wrote V^T
+    empty_k: MbarrierRing  # consumers (Q K^T) and producers (transpose) are done with the K tile
+    empty_v: MbarrierRing  # consumers (P V) are done with the V^T stage
+
+
 class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     """Design B: fp8 wgmma for both products (fp8 KV cache only)."""
 
@@ -112,16 +122,16 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         pv_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
                                                    (BLOCK_M, D_NOPE // 2))
         # Q: "stage" 0 = hi, 1 = lo (64 x 576 e4m3 each, 64B swizzle)
-        q_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
                                                  self.q_parts)
-        p_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8, 1)
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8, 1)
         # K tile (64 keys x 576, K-major, 64B swizzle: 64-column chunks of 4 KB): byte (key n, column c) of
         # stage s at s * 36864 + (c // 64) * 4096 + n * 64 + (c % 64), 16-byte unit ^= (n >> 1) & 3
-        k_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8,
                                                  STAGES)
         # V^T (512 columns x 64 keys, K-major, 64B swizzle): byte (column d, key k) of stage s at
         # s * 32768 + d * 64 + k, 16-byte unit ^= (d >> 1) & 3
-        vt_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8,
+        vt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8,
                                                   STAGES)
 
         g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
@@ -162,14 +172,15 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                  mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                  mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
                  sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
-                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
+                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
+                 k_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
                  p_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         mblk, w, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
@@ -178,15 +189,16 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sQs = storage.q_rscale.get_tensor(cute.make_layout(BLOCK_M))
-        bars = (storage.full_k.data_ptr(), storage.full_v.data_ptr(), storage.empty_k.data_ptr(),
-                storage.empty_v.data_ptr())
+        rings = Fp8Rings(full_k=MbarrierRing(storage.full_k.data_ptr(), STAGES, 1),
+                         full_v=MbarrierRing(storage.full_v.data_ptr(), STAGES, 128),
+                         empty_k=MbarrierRing(storage.empty_k.data_ptr(), STAGES, 384),
+                         empty_v=MbarrierRing(storage.empty_v.data_ptr(), STAGES, 256))
 
         if tidx == 0:
-            for s in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(bars[0] + s, 1)
-                cute.arch.mbarrier_init(bars[1] + s, 128)
-                cute.arch.mbarrier_init(bars[2] + s, 384)
-                cute.arch.mbarrier_init(bars[3] + s, 256)
+            rings.full_k.init()
+            rings.full_v.init()
+            rings.empty_k.init()
+            rings.empty_v.init()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if warp_idx == 0:
@@ -195,16 +207,16 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.plan_item(mSeq, mSplitIndex, w, mblk, tidx,
-                                                                             num_splits, min_chunk, work_target)
+        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+            mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_B)
-                self.produce_b(tma_atom, tma_tensor, sK, sVt, bars, mKV, mBT, b, kv_start, kv_end, n_tiles,
+                self.produce_b(tma_atom, tma_tensor, sK, sVt, rings, mKV, mBT, b, kv_start, kv_end, n_tiles,
                                tidx, warp_idx)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_B)
-                self.consume_b(qk_mma, pv_mma, bars, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut,
+                self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut,
                                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
                                n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
@@ -212,14 +224,14 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def issue_tma(self, tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, j):
+    def issue_tma(self, tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j):
         """Warp 0: wait until stage j % 2 is free, then load tile j (64 keys) into it, page slice by slice."""
         bs = self.v.block_size
         rb = self.box_rows
         s = j % STAGES
-        cute.arch.mbarrier_wait(bars[2] + s, ((j // STAGES) & 1) ^ 1)
+        rings.empty_k.wait_released(j)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars[0] + s, K_STAGE_BYTES)
+            rings.full_k.arrive_expect_tx(j, K_STAGE_BYTES)
         tile_start = kv_start + j * BLOCK_N
         for p in cutlass.range(BLOCK_N // rb, unroll=1):
             tok = tile_start + p * rb
@@ -228,10 +240,11 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                 page = mBT[b, tok // bs]
             row_box = (tok % bs) // rb
             for c in cutlass.range_constexpr(K_CHUNKS):
-                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, s)], tma_bar_ptr=bars[0] + s)
+                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, s)],
+                          tma_bar_ptr=rings.full_k.slot(j))
 
     @cute.jit
-    def produce_b(self, tma_atom, tma_tensor, sK, sVt, bars, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,
+    def produce_b(self, tma_atom, tma_tensor, sK, sVt, rings, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,
                   warp_idx):
         rb = self.box_rows
         s_boxes = cute.flat_divide(sK, (rb, 64))
@@ -265,42 +278,52 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
         if warp_idx == 0:
             if n_tiles > 0:
-                self.issue_tma(tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, 0)
+                self.issue_tma(tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, 0)
         for j in cutlass.range(n_tiles, unroll=1):
             s = j % STAGES
-            ph = (j // STAGES) & 1
             if warp_idx == 0:
                 if j + 1 < n_tiles:
-                    self.issue_tma(tma_atom, tKg, tKs, bars, mBT, num_blocks, b, kv_start, kv_end, j + 1)
-            cute.arch.mbarrier_wait(bars[3] + s, ph ^ 1)  # V^T stage free (P V of tile j - 2 done)
-            cute.arch.mbarrier_wait(bars[0] + s, ph)  # K tile landed
+                    self.issue_tma(tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j + 1)
+            rings.empty_v.wait_released(j)  # V^T stage free (P V of tile j - 2 done)
+            rings.full_k.wait_filled(j)  # K tile landed
             kst = k_base + s * K_STAGE_BYTES
             vst = vt_base + s * VT_STAGE_BYTES
-            for t in cutlass.range_constexpr(4):
-                u = wq * 8 + 2 * t + b0  # 16-column unit 0..31
-                c = u >> 2
-                uu = u & 3
-                words = []
-                for i in cutlass.range_constexpr(4):
-                    k = keys[i]
-                    addr = kst + c * 4096 + k * 64 + ((uu ^ ((k >> 1) & 3)) << 4)
-                    words.append(_lds128(addr))
-                for wi in cutlass.range_constexpr(4):
-                    lo_ab = _prmt(words[0][wi], words[1][wi], sel_lo)
-                    hi_ab = _prmt(words[0][wi], words[1][wi], sel_hi)
-                    lo_cd = _prmt(words[2][wi], words[3][wi], sel_lo)
-                    hi_cd = _prmt(words[2][wi], words[3][wi], sel_hi)
-                    outs = (_prmt(lo_ab, lo_cd, sel_e), _prmt(lo_ab, lo_cd, sel_o),
-                            _prmt(hi_ab, hi_cd, sel_e), _prmt(hi_ab, hi_cd, sel_o))
-                    for jj in cutlass.range_constexpr(4):
-                        d = u * 16 + 4 * wi + (jj ^ b0)
-                        x = ((4 * wi + jj) >> 1) & 3  # == (d >> 1) & 3
-                        addr = vst + d * 64 + (((g >> 2) ^ x) << 4) + (g & 3) * 4
-                        _sts32(addr, outs[jj])
+            self.transpose_v(kst, vst, keys, wq, b0, g, sel_lo, sel_hi, sel_e, sel_o, BLOCK_N, False)
             # V^T stores (generic proxy) must be visible to wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(bars[1] + s)
-            cute.arch.mbarrier_arrive(bars[2] + s)
+            rings.full_v.arrive(j)
+            rings.empty_k.arrive(j)
+
+    @cute.jit
+    def transpose_v(self, kst, vst, keys, wq, b0, g, sel_lo, sel_hi, sel_e, sel_o, valid,
+                    masked: cutlass.Constexpr):
+        """This thread's share of V^T for one tile (see the map in produce_b): 4 units x 4 keys x 16 columns.
+        ``masked``: keys >= ``valid`` are written as zeros (only the tile that holds the item's end)."""
+        for t in cutlass.range_constexpr(4):
+            u = wq * 8 + 2 * t + b0  # 16-column unit 0..31
+            c = u >> 2
+            uu = u & 3
+            words = []
+            for i in cutlass.range_constexpr(4):
+                k = keys[i]
+                addr = kst + c * 4096 + k * 64 + ((uu ^ ((k >> 1) & 3)) << 4)
+                w4 = _lds128(addr)
+                if cutlass.const_expr(masked):
+                    keep = 0 - cutlass.Int32(k < valid)  # all ones for a key inside the item, else 0
+                    w4 = [x & keep for x in w4]
+                words.append(w4)
+            for wi in cutlass.range_constexpr(4):
+                lo_ab = _prmt(words[0][wi], words[1][wi], sel_lo)
+                hi_ab = _prmt(words[0][wi], words[1][wi], sel_hi)
+                lo_cd = _prmt(words[2][wi], words[3][wi], sel_lo)
+                hi_cd = _prmt(words[2][wi], words[3][wi], sel_hi)
+                outs = (_prmt(lo_ab, lo_cd, sel_e), _prmt(lo_ab, lo_cd, sel_o),
+                        _prmt(hi_ab, hi_cd, sel_e), _prmt(hi_ab, hi_cd, sel_o))
+                for jj in cutlass.range_constexpr(4):
+                    d = u * 16 + 4 * wi + (jj ^ b0)
+                    x = ((4 * wi + jj) >> 1) & 3  # == (d >> 1) & 3
+                    addr = vst + d * 64 + (((g >> 2) ^ x) << 4) + (g & 3) * 4
+                    _sts32(addr, outs[jj])
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
@@ -365,10 +388,10 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             if part == 0:
                 sQs[row] = 1.0 / sc
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        consumer_barrier()
 
     @cute.jit
-    def consume_b(self, qk_mma, pv_mma, bars, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut, mLse, mPartO,
+    def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut, mLse, mPartO,
                   mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
                   seq_len, kv_start, kv_end, n_tiles, ctid):
         H = self.v.num_heads
@@ -378,12 +401,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
         self.load_q(sQ, sQs, mQn, mQp, b, mblk, ctid)
 
-        qscale = q_scale
-        if cutlass.const_expr(self.v.q_scale_is_ptr):
-            qscale = mQScale[0]
-        kscale = kv_scale
-        if cutlass.const_expr(self.v.kv_scale_is_ptr):
-            kscale = mKVScale[0]
+        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                     mKVScale)
         scale_log2 = sm_scale_log2 * kscale
         if cutlass.const_expr(self.q_fp8):
             scale_log2 = scale_log2 * qscale
@@ -421,8 +440,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
         for j in cutlass.range(n_tiles, unroll=1):
             stage = j % STAGES
-            ph = (j // STAGES) & 1
-            cute.arch.mbarrier_wait(bars[0] + stage, ph)
+            rings.full_k.wait_filled(j)
             warpgroup.fence()
             for qp in cutlass.range_constexpr(self.q_parts):
                 for k in cutlass.range_constexpr(k_steps):
@@ -430,19 +448,19 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                     cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, qp)], tSrK[(None, None, k, stage)], acc_s)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(bars[2] + stage)  # this thread is done with the K tile
+            rings.empty_k.arrive(j)  # this thread is done with the K tile
 
             self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
                               kv_start + j * BLOCK_N, F8, P_SCALE)
 
-            cute.arch.mbarrier_wait(bars[1] + stage, ph)  # V^T of this tile written
+            rings.full_v.wait_filled(j)  # V^T of this tile written
             warpgroup.fence()
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             for k in cutlass.range_constexpr(pv_steps):
                 cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(bars[3] + stage)
+            rings.empty_v.arrive(j)
 
         # O carries the P scale
         self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,

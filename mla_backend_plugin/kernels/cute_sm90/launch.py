@@ -1,47 +1,35 @@
-"""Host side of the CuTe-DSL SM90 decode kernel: support checks, the compile cache and the launch.
+"""Host side of the CuTe-DSL SM90 decode kernel: support checks, launch configs, the compile cache, the launch.
 
 Importable without cutlass (the registry asks ``unsupported_reason`` on any machine); the DSL is imported on
-first compile. Each variant (config.Variant: dtypes, heads, q_len, block size, scale forms) is compiled once
-per process with fake tensors whose batch, lengths and strides are symbolic, so one binary serves every batch
-size and cache size; ``--enable-tvm-ffi`` lets the compiled function take torch tensors directly.
+first compile. Each variant (config.Variant: dtypes, heads, q_len, block size, scale forms, fp8 design) is
+compiled once per process with fake tensors whose batch, lengths and strides are symbolic, so one binary
+serves every batch size and cache size; ``--enable-tvm-ffi`` lets the compiled function take torch tensors
+directly, and the on-disk cache (cute_common/aot.py) keeps it across processes and hosts.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import warnings
 
 import torch
 
-from mla_backend_plugin.kernels.cute_sm90.config import Variant
+from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_cache_or_jit
+from mla_backend_plugin.kernels.cute_common.host import (
+    DTYPE_NAMES,
+    aligned_rows_reason,
+    dsl_missing,
+    scale_launch_args,
+)
+from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, Variant, softmax_scale_log2
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
 
-PDL_ENV_VAR = "CUTE_MLA_PDL"  # "0" launches without programmatic dependent launch
-# fp8 caches: "fp8mma" (design B, kernel_fp8mma.py; default: 1.4-1.5x faster from B=64 on an H100) or
-# "dequant" (design A, kernel.py: 6x smaller error, ~10% faster at B=1); benchmarks/NOTES.md has both
-FP8_DESIGN_ENV_VAR = "CUTE_MLA_FP8_DESIGN"
-FP8_DESIGNS = ("fp8mma", "dequant")
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", FP8_DTYPE: "fp8"}
-
-
-def pdl_enabled() -> bool:
-    return os.environ.get(PDL_ENV_VAR, "1").strip() not in ("0", "false", "off")
-
-
-@functools.cache
-def _dsl_missing() -> str | None:
-    """None when the DSL can compile here; else what is missing (prebuilt libraries may still run)."""
-    for mod, dist in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"),
-                      ("cuda.bindings", "cuda-python")):
-        try:
-            if importlib.util.find_spec(mod) is not None:
-                continue
-        except (ImportError, ValueError):
-            pass
-        return f"Python package {mod!r} is not installed (pip install {dist})"
-    return None
+ARCH = MANIFEST.archs[0]  # sm_90a
+AOT = AotCache.for_family("cute_sm90", "mla_decode_sm90", os.path.dirname(os.path.abspath(__file__)))
 
 
 def unsupported_reason(args, cc) -> str | None:
@@ -49,32 +37,43 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     if cc != (9, 0):
         return f"is built for sm_90a (H100/H200) only, device has compute capability {cc[0]}.{cc[1]}"
-    # TMA descriptors and 16-byte vector loads need 16-byte aligned rows
-    for name, t in (("kv_cache", args.kv_cache), ("q_nope", args.q_nope), ("q_pe", args.q_pe)):
-        if t.data_ptr() % 16 or any(s % (16 // t.element_size()) for s in t.stride()[:-1]):
-            return f"{name} needs 16-byte aligned rows (strides {t.stride()}, {t.element_size()}-byte elements)"
-    missing = _dsl_missing()
-    if missing:  # no JIT here: only a prebuilt library of this variant can run (aot.py)
-        from mla_backend_plugin.kernels.cute_sm90 import aot
-
-        variant = variant_for(args)
-        why = aot.prebuilt_reason(variant, pdl_enabled(), ARCH)
+    why = aligned_rows_reason(args)
+    if why:
+        return why
+    missing = dsl_missing()
+    if missing:  # no JIT here: only a prebuilt library of the default variant can run (cute_common/aot.py)
+        config = default_config(args, cc)
+        why = AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, ARCH)
         if why:
-            return f"{missing} and no prebuilt library can be used: {why}; {aot.PREBUILD_HINT}"
+            return f"{missing} and no prebuilt library can be used: {why}; {AOT.prebuild_hint(ARCH)}"
     return None
 
 
-def fp8_design() -> str:
-    design = os.environ.get(FP8_DESIGN_ENV_VAR, "fp8mma").strip() or "fp8mma"
-    if design not in FP8_DESIGNS:
-        raise ValueError(f"{FP8_DESIGN_ENV_VAR}={design!r}: allowed {', '.join(FP8_DESIGNS)}")
-    return design
+def default_config(args, cc) -> LaunchConfig:
+    return LaunchConfig(split_plan="balanced", enable_pdl=envs.CUTE_MLA_PDL,
+                        fp8_design=envs.CUTE_MLA_FP8_DESIGN if args.kv_dtype == FP8_DTYPE else None)
 
 
-def variant_for(args) -> Variant:
-    fp8_mma = args.kv_dtype == FP8_DTYPE and fp8_design() == "fp8mma"
-    return Variant(kv_dtype=_DTYPE_NAMES[args.kv_dtype], q_dtype=_DTYPE_NAMES[args.q_dtype],
-                   out_dtype=_DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
+def configs(args, cc) -> list[LaunchConfig]:
+    """The default, then: the other fp8 design (fp8 caches), PDL off, a larger split cap."""
+    first = default_config(args, cc)
+    out = [first]
+    if first.fp8_design is not None:
+        out += [LaunchConfig(fp8_design=d, enable_pdl=first.enable_pdl) for d in FP8_DESIGNS
+                if d != first.fp8_design]
+    out += [LaunchConfig(fp8_design=c.fp8_design, enable_pdl=not c.enable_pdl) for c in list(out)]
+    out += [LaunchConfig(fp8_design=c.fp8_design, enable_pdl=c.enable_pdl, max_splits=64) for c in list(out)]
+    return list(dict.fromkeys(out))
+
+
+def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
+    return PlanTile(rows_per_cta=BLOCK_M, block_n=BLOCK_N)
+
+
+def variant_for(args, config: LaunchConfig) -> Variant:
+    fp8_mma = args.kv_dtype == FP8_DTYPE and (config.fp8_design or "fp8mma") == "fp8mma"
+    return Variant(kv_dtype=DTYPE_NAMES[args.kv_dtype], q_dtype=DTYPE_NAMES[args.q_dtype],
+                   out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma)
 
@@ -85,6 +84,7 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
+    from mla_backend_plugin.kernels.cute_common.compat import compile_options
     from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
 
     if variant.fp8_mma:
@@ -116,75 +116,40 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    options = ["--enable-tvm-ffi"]
-    if arch:
-        options.append(f"--gpu-arch {arch}")
-    if keep_dir:  # the DSL writes the PTX/cubin there (else into the working directory)
-        options.append(f"--keep-ptx --keep-cubin --dump-dir {keep_dir}")
     op = kernel_class(variant, use_pdl=use_pdl)
     return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
                         cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
-                        make_fake_stream(), options=" ".join(options))
-
-
-ARCH = "sm_90a"
+                        make_fake_stream(), options=compile_options(arch, keep_dir))
 
 
 @functools.cache
 def _compiled(variant: Variant, use_pdl: bool):
-    """The variant's function: from the on-disk cache when it holds a usable entry (aot.py), else compiled now
-    and exported to the cache (when the cache is on). Without the DSL only the cache can serve it. Runs
-    outside CUDA-graph capture: vLLM's warm-up and the first eager call reach it first."""
-    from mla_backend_plugin.kernels.cute_sm90 import aot
-
-    path, why = aot.check_entry(variant, use_pdl, ARCH)
-    if path is not None:
-        try:
-            return aot.load_path(path)
-        except Exception as e:  # noqa: BLE001 - a broken library is rebuilt when the DSL is here
-            why = f"loading {path} failed: {e}"
-            if _dsl_missing() is None:
-                warnings.warn(f"cute_sm90: ignoring the cached {variant.name}: {why}", RuntimeWarning,
-                              stacklevel=2)
-    missing = _dsl_missing()
-    if missing:
-        raise RuntimeError(f"cute_sm90: cannot run {variant.name}: {missing} and no prebuilt library can be "
-                           f"used: {why}; {aot.PREBUILD_HINT}")
-    compiled = compile_variant(variant, use_pdl, arch=ARCH)
-    if aot.cache_root() is not None:
-        try:
-            aot.export(compiled, variant, use_pdl, ARCH)
-        except Exception as e:  # noqa: BLE001 - the JIT result still runs
-            warnings.warn(f"cute_sm90: could not cache {variant.name}: {e}", RuntimeWarning, stacklevel=2)
-    return compiled
+    """The variant's function, from the on-disk cache or compiled now (and cached). Runs outside CUDA-graph
+    capture: vLLM's warm-up and the first eager call reach it first."""
+    return compiled_from_cache_or_jit(
+        AOT, variant, use_pdl, ARCH, lambda: compile_variant(variant, use_pdl, arch=ARCH),
+        lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=3))
 
 
-def launch(args, workspace) -> None:
+def launch(args, workspace, config: LaunchConfig) -> None:
     import cuda.bindings.driver as cuda
 
-    from mla_backend_plugin.kernels.cute_sm90.config import softmax_scale_log2
-    from mla_backend_plugin.kernels.triton_decode.kernel import launch_combine
+    from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
-    use_pdl = pdl_enabled()
-    variant = variant_for(args)
-    fn = _compiled(variant, use_pdl)
-    plan = workspace.plan(args.batch, args.q_len, balanced=True)
-    # the kernel's schedule packs a 128-request step's partial-slot count into 16 bits (kernel.py schedule_step)
-    if plan.num_splits * 128 >= 1 << 16:
-        raise ValueError(f"cute_sm90: max_splits={plan.num_splits} is too large (allowed <= 511)")
-    dummy = workspace.partial_lse[:1]  # stands in for a scale given as a Python float
-    q_scale_t = args.q_scale if isinstance(args.q_scale, torch.Tensor) else dummy  # shape (1,): prepare_args
-    kv_scale_t = args.kv_scale if isinstance(args.kv_scale, torch.Tensor) else dummy
-    q_scale = 1.0 if args.q_scale is None or isinstance(args.q_scale, torch.Tensor) else float(args.q_scale)
-    kv_scale = 1.0 if args.kv_scale is None or isinstance(args.kv_scale, torch.Tensor) else float(args.kv_scale)
+    if not config.balanced:
+        raise ValueError("cute_sm90: config: split_plan must be 'balanced' (the kernel's device schedule)")
+    fn = _compiled(variant_for(args, config), config.enable_pdl)
+    # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
+    # workspace's limit) < 2^16
+    plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
+    q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
        plan.work_target, plan.grid_items, stream)
     if plan.has_combine:
-        # The combine is an ordinary stream-ordered launch (it starts once the split kernel has finished), not a
-        # programmatic dependent: launched early it cost 14 us at B=1 S=8192 q_len 2 on an H100 (52.7 vs 38.6
-        # us per call) and changed no other measured cell by more than 2.5 us (benchmarks/NOTES.md, v3).
-        launch_combine(args, workspace, plan, block_n=64, use_pdl=False, balanced=True)
+        # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
+        # cost B=1 q_len 2 more than it saved anywhere (benchmarks/NOTES.md, cute_sm90 v3)
+        launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False)

@@ -1,9 +1,13 @@
-"""Tile configuration of the Triton decode kernel (no Triton import here: the planner reads it on CPU)."""
+"""Tile configuration and registry entry points of the Triton decode kernel (no Triton import here: the
+registry, the planner and CPU tests read it on any machine)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+from mla_backend_plugin import envs
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,10 +17,15 @@ class TritonDecodeConfig:
     num_warps: int
     num_stages: int
 
+    @property
+    def tile(self) -> tuple[int, int, int, int]:
+        """This config as ``LaunchConfig.tile``."""
+        return dataclasses.astuple(self)
 
-# Chosen by benchmarks/tune_triton.py on an H100 (numbers in benchmarks/NOTES.md): 64 query rows x 64 keys on
-# 8 warps was fastest at every batch >= 8 (1.3-1.6x the 32-row tiles: half the CTAs re-read each KV tile
-# from L2); 16/32 heads keep tiles no taller than their rows.
+
+# Chosen by the tile sweep on an H100 (benchmarks/NOTES.md, Triton v2): 64 query rows x 64 keys on 8 warps for
+# >= 64 heads (half the CTAs re-read each KV tile from L2 compared with 32 rows); 16/32 heads keep tiles no
+# taller than their rows.
 _WIDE = TritonDecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 _NARROW = TritonDecodeConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
 # Smaller fallbacks for GPUs with less shared memory per block than the H100's 227 KB: the A100 (SM80) has
@@ -47,13 +56,16 @@ def smem_bytes(cfg: TritonDecodeConfig) -> int:
     return SMEM_BYTES[(cfg.block_m, cfg.block_n, cfg.num_warps)]
 
 
-def config_for(num_heads: int, smem_per_block: int | None = None) -> TritonDecodeConfig:
-    """The fastest tile that fits ``smem_per_block`` (the device's opt-in maximum; None = no limit)."""
+def fitting_configs(num_heads: int, smem_per_block: int | None = None) -> list[TritonDecodeConfig]:
+    """The tiles that fit ``smem_per_block`` (the device's opt-in maximum; None = no limit), fastest first."""
     candidates = _candidates(num_heads)
-    for cfg in candidates:
-        if smem_per_block is None or smem_bytes(cfg) <= smem_per_block:
-            return cfg
-    return candidates[-1]  # smaller than every GPU this package supports (>= 99 KB); Triton reports it
+    fit = [c for c in candidates if smem_per_block is None or smem_bytes(c) <= smem_per_block]
+    return fit or candidates[-1:]  # smaller than every GPU this package supports (>= 99 KB); Triton reports it
+
+
+def config_for(num_heads: int, smem_per_block: int | None = None) -> TritonDecodeConfig:
+    """The fastest tile that fits ``smem_per_block``."""
+    return fitting_configs(num_heads, smem_per_block)[0]
 
 
 def rows_per_cta_for(num_heads: int, smem_per_block: int | None = None) -> int:
@@ -67,18 +79,46 @@ def compiler_options(cc: int) -> dict:
     return {"maxnreg": 255} if cc < 89 else {}
 
 
-def device_smem_per_block(device) -> int | None:
-    """Opt-in shared memory per block of a CUDA device (None for other devices)."""
-    import torch
+# ---------------------------------------------------------------------------------------------------------
+# registry entry points (MANIFEST in __init__.py)
+# ---------------------------------------------------------------------------------------------------------
 
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return _cuda_smem_per_block(device.index if device.index is not None else torch.cuda.current_device())
+def unsupported_reason(args, cc) -> str | None:
+    if cc is None:
+        return "needs a CUDA device"
+    if cc < (8, 0):
+        return f"needs compute capability >= 8.0, device has {cc[0]}.{cc[1]}"
+    if FP8_DTYPE in (args.kv_dtype, args.q_dtype) and cc < (8, 9):
+        return f"fp8 needs compute capability >= 8.9, device has {cc[0]}.{cc[1]}"
+    return None
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_smem_per_block(index: int) -> int:
-    import torch
+def _smem(args) -> int | None:
+    from mla_backend_plugin.ops.arch import device_smem_per_block
 
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return device_smem_per_block(args.q_nope.device)
+
+
+def default_config(args, cc) -> LaunchConfig:
+    # PDL: the Triton split kernel launches as an ordinary kernel; the combine follows it stream-ordered
+    return LaunchConfig(split_plan=envs.CUTE_MLA_TRITON_SPLITS, enable_pdl=False,
+                        tile=config_for(args.num_heads, _smem(args)).tile)
+
+
+def configs(args, cc) -> list[LaunchConfig]:
+    """Every fitting tile under both split plans and a few split caps, the default first."""
+    first = default_config(args, cc)
+    out = [first]
+    for cfg in fitting_configs(args.num_heads, _smem(args)):
+        for plan in ("balanced", "uniform"):
+            for max_splits in (None, 64):
+                c = LaunchConfig(split_plan=plan, max_splits=max_splits, enable_pdl=False, tile=cfg.tile)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def plan_tile(num_heads: int, smem_per_block: int | None, config: LaunchConfig | None) -> PlanTile:
+    cfg = TritonDecodeConfig(*config.tile) if config is not None and config.tile else \
+        config_for(num_heads, smem_per_block)
+    return PlanTile(rows_per_cta=cfg.block_m, block_n=cfg.block_n)

@@ -6,55 +6,28 @@ Design (one CTA = one request x BLOCK_M query rows x one KV split):
 * the KV cache is gathered page by page through the block table; fp8 entries are widened to the q dtype
   (exact for e4m3) and the per-tensor scales are folded into the softmax scale and the final output;
 * split-KV is planned in two halves (graph-safe): the host fixes the grid from shapes, the device reads
-  seq_lens. The Triton path runs the balanced plan (ops/workspace.py ``balanced_schedule``: every CTA reads
-  all seq_lens and derives the same schedule of work items, so long requests get more splits than short
-  ones); the uniform plan (``_mla_decode_split_kernel``) stays for comparison and for the combine of the
-  cute_sm90 / xqa_sm120 kernels until they are ported;
+  seq_lens. By default the balanced plan (ops/workspace.py ``balanced_schedule``: every CTA reads all seq_lens
+  and derives the same schedule of work items, so long requests get more splits than short ones); the uniform
+  plan (``_mla_decode_split_kernel``) when the launch config asks for it (comparisons, the tuner);
 * an unsplit request's CTA writes the final output and LSE itself; split ones go through the fp32 partials
-  of the workspace and a combine kernel.
+  of the workspace and the shared combine (kernels/combine).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from mla_backend_plugin.kernels.triton_decode.config import (
-    TritonDecodeConfig,
-    compiler_options,
-    config_for,
-    device_smem_per_block,
-)
+from mla_backend_plugin.kernels.combine.kernel import launch_combine, request_splits, scale_args
+from mla_backend_plugin.kernels.triton_decode.config import TritonDecodeConfig, compiler_options
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_ROPE_HEAD_DIM
+from mla_backend_plugin.ops.manifest import PlanTile
 
 # fp8 operands are widened to the 16-bit dtype of the other operand before tl.dot (exact for e4m3).
 _COMPUTE_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BALANCED: tl.constexpr = False, per_work=1):
-    """Device half of split planning: (splits, chunk tokens) of a request (seq_len may be a block of them).
-
-    BALANCED=False, the uniform plan (cute_sm90, xqa_sm120): min(NUM_SPLITS, cdiv(seq_len, MIN_CHUNK)) splits.
-    BALANCED=True: ``per_work`` = p tiles of the balanced plan (``_balanced_per_work``), NUM_SPLITS the cap;
-    the exact formula is in ops/workspace.py ``balanced_schedule``."""
-    if BALANCED:
-        tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1)
-        n = tl.minimum(tl.cdiv(tiles, per_work), NUM_SPLITS)
-        ct = tl.cdiv(tiles, n)
-        return tl.cdiv(tiles, ct), ct * BLOCK_N
-    else:
-        n = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_CHUNK), 1), NUM_SPLITS)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N), 1) * BLOCK_N
-        # Rounding the chunk up to BLOCK_N can leave the last splits empty: count only non-empty ones.
-        n = tl.maximum(tl.minimum(n, tl.cdiv(seq_len, chunk)), 1)
-        return n, chunk
 
 
 @triton.jit
@@ -89,7 +62,7 @@ def _balanced_item(seq_lens_ptr, batch, w, WORK: tl.constexpr, NUM_SPLITS: tl.co
         offs = start + tl.arange(0, SCAN)
         ok = offs < batch
         lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
-        n, chunk = _request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
+        n, chunk = request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
         is_split = ok & (n > 1)
         cnt = tl.where(is_split, n, 0)
         incl = num_slots + tl.cumsum(cnt, axis=0)
@@ -110,7 +83,7 @@ def _balanced_item(seq_lens_ptr, batch, w, WORK: tl.constexpr, NUM_SPLITS: tl.co
         offs = start + tl.arange(0, SCAN)
         ok = offs < batch
         lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
-        n, chunk = _request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
+        n, chunk = request_splits(lens, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True, p)
         single = (ok & (n == 1)).to(tl.int32)
         excl = num_single + tl.cumsum(single, axis=0) - single
         hit = (single > 0) & (excl == r)
@@ -242,7 +215,7 @@ def _mla_decode_split_kernel(
     m_blk = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    n_splits, chunk = request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     if split >= n_splits:
         return  # the combine kernel reads only this request's first n_splits partials
 
@@ -307,99 +280,7 @@ def _mla_decode_split_balanced_kernel(
                      stride_lse_h, NUM_HEADS, Q_LEN, BLOCK_M, D_NOPE)
 
 
-@triton.jit
-def _mla_decode_combine_kernel(
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, kv_scale_ptr, kv_scale_val,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:
-        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_splits, chunk = _request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
-    kv_scale = 1.0
-    if KV_SCALE_IS_PTR:
-        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
-    else:
-        kv_scale = kv_scale_val
-
-    base = (b * (Q_LEN * NUM_HEADS) + row) * NUM_SPLITS
-    offs_s = tl.arange(0, SPLITS_P2)
-    s_ok = offs_s < n_splits
-    lse_s = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse_s, axis=0)
-    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.where(s_ok, tl.exp2(lse_s - lse_use), 0.0)
-    w_sum = tl.sum(w, axis=0)
-    offs_d = tl.arange(0, D_NOPE)
-    acc = tl.zeros([D_NOPE], dtype=tl.float32)
-    for s in range(0, n_splits):
-        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
-        w_s = tl.exp2(tl.load(part_lse_ptr + base + s) - lse_use)
-        acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d)
-    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
-    t = row // NUM_HEADS
-    h = row % NUM_HEADS
-    tok = b * Q_LEN + t
-    tl.store(out_ptr + tok * stride_o_t + h * stride_o_h + offs_d, (acc * inv).to(out_ptr.dtype.element_ty))
-    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
-
-
-@triton.jit
-def _mla_decode_combine_balanced_kernel(
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr, kv_scale_ptr, kv_scale_val,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, ROWS: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max); CTA (r, j) merges ROWS rows of the j-th split
-    request, whose (b, S_b, n_b) the split kernel wrote to split_index[1 + 3 j:] (split_index[0] = J)."""
-    if USE_PDL:
-        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
-    j = tl.program_id(1)
-    if j >= tl.load(split_index_ptr):
-        return
-    b = tl.load(split_index_ptr + 1 + 3 * j)
-    slot0 = tl.load(split_index_ptr + 2 + 3 * j)
-    n_splits = tl.load(split_index_ptr + 3 + 3 * j)
-    kv_scale = 1.0
-    if KV_SCALE_IS_PTR:
-        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
-    else:
-        kv_scale = kv_scale_val
-
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the grid covers Q_LEN * H exactly
-    offs_s = tl.arange(0, SPLITS_P2)
-    s_ok = offs_s < n_splits
-    # part = (S_b + split) * Q_LEN * H + row
-    part = (slot0 + offs_s[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
-    lse_s = tl.load(part_lse_ptr + part, mask=s_ok[None, :], other=float("-inf"))
-    lse_max = tl.max(lse_s, axis=1)
-    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.where(s_ok[None, :], tl.exp2(lse_s - lse_use[:, None]), 0.0)
-    w_sum = tl.sum(w, axis=1)
-    offs_d = tl.arange(0, D_NOPE)
-    acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
-    for s in range(n_splits):
-        row_part = (slot0 + s).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows
-        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
-        w_s = tl.exp2(tl.load(part_lse_ptr + row_part) - lse_use)
-        acc += w_s[:, None] * tl.load(part_o_ptr + row_part[:, None] * D_NOPE + offs_d[None, :])
-    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
-    tok = b * Q_LEN + rows // NUM_HEADS
-    h = rows % NUM_HEADS
-    tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_d[None, :],
-             (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
-    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_options_of(index: int) -> dict:
     major, minor = torch.cuda.get_device_capability(index)
     return compiler_options(10 * major + minor)
@@ -411,39 +292,17 @@ def _compiler_options(device: torch.device) -> dict:
     return _compiler_options_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _scale_args(scale):
-    """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0, True
-    return None, 1.0 if scale is None else float(scale), False
-
-
-def _default_balanced() -> bool:
-    """CUTE_MLA_TRITON_SPLITS=uniform runs the Triton kernel on the uniform plan (to measure the difference)."""
-    mode = os.environ.get("CUTE_MLA_TRITON_SPLITS", "balanced")
-    if mode not in ("balanced", "uniform"):
-        raise ValueError(f"CUTE_MLA_TRITON_SPLITS={mode!r}: allowed balanced, uniform")
-    return mode == "balanced"
-
-
-def launch(args, workspace, config: TritonDecodeConfig | None = None, balanced: bool | None = None) -> None:
-    """Run the Triton decode on validated ``DecodeArgs`` (see ops/api.py), writing args.out and args.lse.
-
-    ``config`` overrides the tile configuration (benchmarks/tune_triton.py); the workspace must have been
-    planned for the same ``block_m`` (``MLAWorkspace(..., rows_per_cta=config.block_m)``). ``balanced=False``
-    runs the uniform split plan the other kernels still use (tests and comparisons); None: balanced unless
-    the environment says CUTE_MLA_TRITON_SPLITS=uniform.
-    """
-    if balanced is None:
-        balanced = _default_balanced()
-    cfg = config or config_for(args.num_heads, device_smem_per_block(args.q_nope.device))
+def launch(args, workspace, config) -> None:
+    """Run the Triton decode on validated ``DecodeArgs`` (see ops/api.py) under ``config`` (LaunchConfig:
+    ``tile`` = (block_m, block_n, warps, stages), ``split_plan``, ``max_splits`` / ``min_chunk``), writing
+    args.out and args.lse."""
+    cfg = TritonDecodeConfig(*config.tile)
     batch, q_len, num_heads = args.batch, args.q_len, args.num_heads
-    plan = workspace.plan(batch, q_len, balanced=balanced)
-    assert plan.rows_per_cta == cfg.block_m, "workspace planned for another tile shape"
+    plan = workspace.plan_for(args, PlanTile(cfg.block_m, cfg.block_n), config)
     rows = q_len * num_heads
     m_blocks = triton.cdiv(rows, cfg.block_m)
-    q_scale_ptr, q_scale_val, q_is_ptr = _scale_args(args.q_scale)
-    kv_scale_ptr, kv_scale_val, kv_is_ptr = _scale_args(args.kv_scale)
+    q_scale_ptr, q_scale_val, q_is_ptr = scale_args(args.q_scale)
+    kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
     # Triton needs a real pointer even for a branch it compiles out: any fp32 buffer will do.
     dummy = workspace.partial_lse
     q_scale_ptr = dummy if q_scale_ptr is None else q_scale_ptr
@@ -459,9 +318,7 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None, balanced: 
     strides = (args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
                kv.stride(0), kv.stride(1), args.block_table.stride(0),
                out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
-    if balanced:
-        assert workspace.partial_out.shape[0] >= plan.max_slots * rows, "workspace too small for the plan"
-        assert workspace.split_index.numel() >= 1 + 3 * plan.max_split_requests
+    if plan.balanced:
         _mla_decode_split_balanced_kernel[(m_blocks, plan.grid_items)](
             args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
             out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index,
@@ -475,40 +332,5 @@ def launch(args, workspace, config: TritonDecodeConfig | None = None, balanced: 
             q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, *strides, **common,
         )
     if plan.has_combine:
-        launch_combine(args, workspace, plan, cfg.block_n, balanced=balanced)
-
-
-def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False, balanced: bool = False) -> None:
-    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse, for every split kernel that
-    writes the workspace layout of its plan (``plan`` must be ``workspace.plan(batch, q_len, balanced)``):
-
-    * ``balanced=False`` (uniform plan): part = (request * q_len * H + row) * num_splits + split, the split
-      count of each request recomputed here from seq_lens (``_request_splits``);
-    * ``balanced=True``: part = slot * q_len * H + row, the split requests and their slots read from
-      ``workspace.split_index`` as the split kernel wrote it (ops/workspace.py ``balanced_schedule``).
-    """
-    assert plan.balanced == balanced, "the plan and the combine disagree on the split layout"
-    kv_scale_ptr, kv_scale_val, kv_is_ptr = _scale_args(args.kv_scale)
-    kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
-    out, lse = args.out, args.lse
-    extra = {"launch_pdl": True} if use_pdl else {}
-    if balanced:
-        if plan.max_split_requests == 0:
-            return
-        rows = args.q_len * args.num_heads
-        _mla_decode_combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests)](
-            out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
-            kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
-            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-            num_warps=4, **extra,
-        )
-        return
-    _mla_decode_combine_kernel[(args.batch, args.q_len * args.num_heads)](
-        out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n,
-        NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
-        D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-        num_warps=4, **extra,
-    )
+        # PDL (when the config asks): the combine waits on the split kernel with griddepcontrol
+        launch_combine(args, workspace, plan, cfg.block_n, use_pdl=config.enable_pdl)

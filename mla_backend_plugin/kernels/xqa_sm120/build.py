@@ -22,12 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# architecture name -> nvcc -gencode argument. 'a' targets: SM120/121 and SM90 features are arch-specific.
-ARCHS = {
-    "sm_90a": "arch=compute_90a,code=sm_90a",
-    "sm_120a": "arch=compute_120a,code=sm_120a",
-    "sm_121a": "arch=compute_121a,code=sm_121a",
-}
+from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.xqa_sm120 import MANIFEST
+from mla_backend_plugin.ops.manifest import VariantResult
+
+# architecture name -> nvcc -gencode argument ('a' targets: SM120/121 and SM90 features are arch-specific),
+# for every arch the family's manifest claims
+ARCHS = {arch: f"arch=compute_{arch[3:]},code={arch}" for arch in MANIFEST.archs}
 SOURCE_NAME = "xqa_mla.cu"
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v", "--expt-relaxed-constexpr")
 # kernel entry points in the cubin (unmangled)
@@ -66,7 +67,7 @@ class XqaBuildError(RuntimeError):
 
 def source_dir() -> Path:
     """Directory of the .cu/.h sources: $CUTE_MLA_XQA_SRC, a copy shipped inside the package, or the repo's csrc."""
-    env = os.environ.get(SOURCE_ENV_VAR)
+    env = envs.get(SOURCE_ENV_VAR)
     here = Path(__file__).resolve().parent
     candidates = ([Path(env)] if env else []) + [here / "csrc", here.parents[2] / "csrc" / "xqa_mla"]
     for cand in candidates:
@@ -77,7 +78,7 @@ def source_dir() -> Path:
 
 
 def find_nvcc() -> str | None:
-    env = os.environ.get(NVCC_ENV_VAR)
+    env = envs.get(NVCC_ENV_VAR)
     if env:
         return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
     for var in ("CUDA_HOME", "CUDA_PATH"):
@@ -121,7 +122,7 @@ def check_arch(arch: str) -> str:
 
 
 def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV_VAR)
+    env = envs.get(CACHE_ENV_VAR)
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -302,8 +303,6 @@ def compile_variants(arch: str):
     """Build for ``arch`` and report every kernel (mla_backend_plugin.compile's contract): registers, shared
     memory, spills; a kernel fails if it spills or if its SASS lacks the TMA load or (fp8 caches on
     sm_120a/sm_121a) the native fp8 mma."""
-    from mla_backend_plugin.compile import VariantResult
-
     t0 = time.time()
     try:
         res = build(arch)

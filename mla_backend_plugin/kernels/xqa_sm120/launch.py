@@ -5,8 +5,9 @@ Importable without a GPU or nvcc. ``launch`` builds the cubin for the device's a
 and, when the plan splits the KV, the combine kernel on torch's current stream. Nothing is allocated and
 nothing synchronises, so a call is CUDA-graph safe once the cubin is loaded (the first call, eager, loads it).
 
-PDL (programmatic dependent launch) is on by default; ``CUTE_MLA_PDL=0`` (or ``launch(..., pdl=False)``)
-launches without the attribute. The kernels are correct either way (griddepcontrol.wait is a no-op without it).
+PDL (programmatic dependent launch) follows the launch config (default: ``CUTE_MLA_PDL``, on); the kernels are
+correct either way (griddepcontrol.wait is a no-op without it). The split plan is the uniform one, planned for
+the kernel's own 32-row tile.
 
 The split kernels read the KV cache by TMA through a CUtensorMap (``kv_tensor_map``): a 4-D view of the cache
 [pages, tokens, 9 chunks, 64 columns] with one box per page slice, swizzled. Encoding one costs a driver call,
@@ -18,18 +19,20 @@ whole run).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 
-from mla_backend_plugin.kernels.xqa_sm120 import build
+from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.xqa_sm120 import MANIFEST, build
+from mla_backend_plugin.ops.arch import arch_for_cc
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
 
-PDL_ENV_VAR = "CUTE_MLA_PDL"
-# compute capability -> the cubin's architecture
-ARCH_BY_CC = {(9, 0): "sm_90a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the kernel's tile (csrc/xqa_mla/xqa_mla_params.h XQA_MLA_BLOCK_M / _N; a CPU test checks they agree)
+BLOCK_M = 32
+BLOCK_N = 32
 
 
 class XqaMlaParams(ctypes.Structure):
@@ -47,15 +50,23 @@ class XqaMlaParams(ctypes.Structure):
     )
 
 
-def pdl_enabled() -> bool:
-    value = os.environ.get(PDL_ENV_VAR, "1").strip().lower()
-    if value not in ("0", "1", "", "true", "false", "on", "off", "yes", "no"):
-        raise ValueError(f"{PDL_ENV_VAR}={value!r}: allowed values are 0 and 1")
-    return value not in ("0", "false", "off", "no")
-
-
 def arch_for(cc: tuple[int, int] | None) -> str | None:
-    return ARCH_BY_CC.get(tuple(cc)) if cc is not None else None
+    """The cubin's architecture for a device of compute capability ``cc`` (None: not built for it)."""
+    arch = arch_for_cc(cc)
+    return arch.name if arch is not None and arch.name in MANIFEST.archs else None
+
+
+def default_config(args, cc) -> LaunchConfig:
+    return LaunchConfig(split_plan="uniform", enable_pdl=envs.CUTE_MLA_PDL)
+
+
+def configs(args, cc) -> list[LaunchConfig]:
+    first = default_config(args, cc)
+    return [first, LaunchConfig(split_plan="uniform", enable_pdl=not first.enable_pdl)]
+
+
+def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
+    return PlanTile(rows_per_cta=BLOCK_M, block_n=BLOCK_N)
 
 
 def unsupported_reason(args, cc: tuple[int, int] | None) -> str | None:
@@ -170,8 +181,8 @@ def load(device: torch.device) -> _Loaded:
     cc = torch.cuda.get_device_capability(index)
     arch = arch_for(cc)
     if arch is None:
-        raise RuntimeError(f"xqa_sm120: compute capability {cc[0]}.{cc[1]} is not supported; "
-                           f"allowed: {', '.join(f'{a}.{b}' for a, b in ARCH_BY_CC)} ({', '.join(build.ARCHS)})")
+        raise RuntimeError(f"xqa_sm120: compute capability {cc[0]}.{cc[1]} is not supported; built for "
+                           f"{', '.join(build.ARCHS)}")
     with torch.cuda.device(index):
         ctx = cuda_driver.current_context(index)
         key = (ctx, arch)
@@ -192,20 +203,19 @@ def _scale(scale) -> tuple[int, float]:
     return 0, 1.0 if scale is None else float(scale)
 
 
-def launch(args, workspace, pdl: bool | None = None) -> None:
+def launch(args, workspace, config: LaunchConfig) -> None:
     """Run the XQA decode on validated ``DecodeArgs`` (ops/api.py), writing args.out and args.lse."""
     from mla_backend_plugin.kernels.xqa_sm120 import cuda_driver
 
+    if config.balanced:
+        raise ValueError("xqa_sm120: config: split_plan must be 'uniform' (the kernel's split layout)")
     device = args.q_nope.device
     loaded = load(device)
     c = _consts()
-    pdl = pdl_enabled() if pdl is None else pdl
+    pdl = config.enable_pdl
     batch, q_len, heads = args.batch, args.q_len, args.num_heads
-    plan = workspace.plan(batch, q_len)
+    plan = workspace.plan_for(args, PlanTile(c["XQA_MLA_BLOCK_M"], c["XQA_MLA_BLOCK_N"]), config)
     rows = q_len * heads
-    if plan.num_splits > 1 and workspace.partial_rows < batch * rows * plan.num_splits:
-        raise RuntimeError(f"xqa_sm120: workspace holds {workspace.partial_rows} partial rows, "
-                           f"needs {batch * rows * plan.num_splits}")
     kv, out, lse = args.kv_cache, args.out, args.lse
     q_ptr, q_val = _scale(args.q_scale)
     kv_ptr, kv_val = _scale(args.kv_scale)

@@ -1,0 +1,140 @@
+"""Every environment variable the package reads, declared once, parsed one way.
+
+A variable is read when it is asked for (``envs.CUTE_MLA_PDL`` or ``envs.get("CUTE_MLA_PDL")``), not at
+import, so a test or a launcher may set it late. A value outside the allowed ones raises ``ValueError``
+naming the variable and what it allows. Explicit arguments (``mla_decode(..., enable_pdl=...)``, a
+``LaunchConfig``) always win over the environment; the environment only supplies defaults.
+
+README.md's table of variables is ``python -m mla_backend_plugin.envs``; a CPU test checks they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: allowed values are {', '.join(_TRUE + _FALSE)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Any  # returned when the variable is unset or empty
+    doc: str
+    kind: str = "str"  # "bool" | "choice" | "str" | "path"
+    choices: tuple[str, ...] = ()
+    # lower-cases and checks a "choice"; None keeps the raw (stripped) string
+    parse: Callable[[str, str], Any] | None = None
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or not raw.strip():
+            return self.default
+        if self.kind == "bool":
+            return parse_bool(self.name, raw)
+        if self.kind == "choice":
+            v = raw.strip().lower()
+            if v not in self.choices:
+                raise ValueError(f"{self.name}={raw!r}: allowed values are {', '.join(self.choices)}")
+            return v
+        if self.parse is not None:
+            return self.parse(self.name, raw)
+        return raw.strip()
+
+    @property
+    def allowed(self) -> str:
+        if self.kind == "bool":
+            return "0 / 1 (also false/true, off/on, no/yes)"
+        if self.kind == "choice":
+            return " / ".join(self.choices)
+        if self.kind == "path":
+            return "a path"
+        return "see description"
+
+
+def _cache_dir(name: str, raw: str) -> str | None:
+    """``0``/``off`` -> None (no cache), ``1``/``on`` -> the default directory, else that directory."""
+    v = raw.strip()
+    if v.lower() in _FALSE + ("none",):
+        return None
+    if v.lower() in _TRUE:
+        return ""  # the family's default directory
+    return os.path.abspath(os.path.expanduser(v))
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("CUTE_MLA_KERNEL", "auto",
+           "Decode kernel for `kernel=\"auto\"` calls and the vLLM/SGLang backends: `auto`, or a kernel name "
+           "(`cute_sm90`, `triton`, `xqa_sm120`, `reference`). An explicit `mla_decode(kernel=...)` wins."),
+    EnvVar("CUTE_MLA_PDL", True,
+           "Programmatic dependent launch (SM90+): `0` launches every kernel without it. Default of "
+           "`mla_decode(enable_pdl=None)`.", kind="bool"),
+    EnvVar("CUTE_MLA_FP8_DESIGN", "fp8mma",
+           "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma, q as e4m3 hi + lo) or `dequant` (widen the "
+           "cache to 16 bits; more accurate). Default of `mla_decode(fp8_design=None)`.",
+           kind="choice", choices=("fp8mma", "dequant")),
+    EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
+           "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
+           "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),
+    EnvVar("CUTE_MLA_FP8_QUERY", False,
+           "vLLM: let vLLM quantise q to fp8 when the KV cache is fp8 (the kernels then take the fp8 q).",
+           kind="bool"),
+    EnvVar("CUTE_MLA_SELF_CHECK", "auto",
+           "First-use self-check against the float32 reference: `auto` (only on GPUs where a kernel was never "
+           "verified), `always`, `never`.", kind="choice", choices=("auto", "always", "never")),
+    EnvVar("CUTE_MLA_CUTE_CACHE", "",
+           "On-disk cache of compiled CuTe-DSL kernels (TVM-FFI libraries): unset/`1` = "
+           "`~/.cache/mla_backend_plugin/cute`, `0` = off, else that directory (e.g. one made by "
+           "`python -m mla_backend_plugin.compile --export-dir DIR`).", kind="path", parse=_cache_dir),
+    EnvVar("CUTE_MLA_XQA_CACHE", "",
+           "Directory of the xqa_sm120 cubins built by nvcc (default `~/.cache/mla_backend_plugin/xqa`).",
+           kind="path"),
+    EnvVar("CUTE_MLA_XQA_SRC", "",
+           "Directory of the xqa_sm120 CUDA sources (default: the copy in the wheel, or the repository's "
+           "`csrc/xqa_mla`).", kind="path"),
+    EnvVar("CUTE_MLA_NVCC", "",
+           "nvcc to build xqa_sm120 with (default: `$CUDA_HOME/bin/nvcc`, `nvcc` on PATH, "
+           "`/usr/local/cuda/bin/nvcc`).", kind="path"),
+    EnvVar("MLA_TEST_KERNELS", "",
+           "Tests only: comma-separated kernel names the per-kernel GPU tests run (default: every kernel "
+           "that can run here)."),
+)}
+
+
+def get(name: str) -> Any:
+    """The parsed value of a declared variable (its default when unset or empty)."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared variable; declared: {', '.join(VARIABLES)}") from None
+    return var.read()
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return VARIABLES[name].read()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def markdown_table() -> str:
+    lines = ["| variable | default | allowed | what it does |", "|---|---|---|---|"]
+    for v in VARIABLES.values():
+        default = {True: "1", False: "0"}.get(v.default, v.default) if isinstance(v.default, bool) else v.default
+        lines.append(f"| `{v.name}` | {f'`{default}`' if default != '' else '(unset)'} | {v.allowed} | {v.doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

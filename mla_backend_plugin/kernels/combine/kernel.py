@@ -1,0 +1,168 @@
+"""Triton split-KV combine kernels and their launcher (see the package docstring for the two layouts)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from mla_backend_plugin.ops.constants import KV_LORA_RANK
+
+
+@triton.jit
+def request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BALANCED: tl.constexpr = False, per_work=1):
+    """Device half of split planning: (splits, chunk tokens) of a request (seq_len may be a block of them).
+
+    BALANCED=False, the uniform plan: min(NUM_SPLITS, cdiv(seq_len, MIN_CHUNK)) splits
+    (ops/workspace.py ``uniform_request_splits``). BALANCED=True: ``per_work`` = p tiles of the balanced plan,
+    NUM_SPLITS the cap; the exact formula is in ops/workspace.py ``balanced_schedule``."""
+    if BALANCED:
+        tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1)
+        n = tl.minimum(tl.cdiv(tiles, per_work), NUM_SPLITS)
+        ct = tl.cdiv(tiles, n)
+        return tl.cdiv(tiles, ct), ct * BLOCK_N
+    else:
+        n = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_CHUNK), 1), NUM_SPLITS)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N), 1) * BLOCK_N
+        # Rounding the chunk up to BLOCK_N can leave the last splits empty: count only non-empty ones.
+        n = tl.maximum(tl.minimum(n, tl.cdiv(seq_len, chunk)), 1)
+        return n, chunk
+
+
+
+@triton.jit
+def combine_uniform_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, kv_scale_ptr, kv_scale_val,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:
+        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits, chunk = request_splits(seq_len, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+
+    base = (b * (Q_LEN * NUM_HEADS) + row) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < n_splits
+    lse_s = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=0)
+    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.where(s_ok, tl.exp2(lse_s - lse_use), 0.0)
+    w_sum = tl.sum(w, axis=0)
+    offs_d = tl.arange(0, D_NOPE)
+    acc = tl.zeros([D_NOPE], dtype=tl.float32)
+    for s in range(0, n_splits):
+        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
+        w_s = tl.exp2(tl.load(part_lse_ptr + base + s) - lse_use)
+        acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d)
+    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
+    t = row // NUM_HEADS
+    h = row % NUM_HEADS
+    tok = b * Q_LEN + t
+    tl.store(out_ptr + tok * stride_o_t + h * stride_o_h + offs_d, (acc * inv).to(out_ptr.dtype.element_ty))
+    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+
+
+@triton.jit
+def combine_balanced_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr, kv_scale_ptr, kv_scale_val,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, ROWS: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max); CTA (r, j) merges ROWS rows of the j-th split
+    request, whose (b, S_b, n_b) the split kernel wrote to split_index[1 + 3 j:] (split_index[0] = J)."""
+    if USE_PDL:
+        gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
+    j = tl.program_id(1)
+    if j >= tl.load(split_index_ptr):
+        return
+    b = tl.load(split_index_ptr + 1 + 3 * j)
+    slot0 = tl.load(split_index_ptr + 2 + 3 * j)
+    n_splits = tl.load(split_index_ptr + 3 + 3 * j)
+    kv_scale = 1.0
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    else:
+        kv_scale = kv_scale_val
+
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the grid covers Q_LEN * H exactly
+    offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < n_splits
+    # part = (S_b + split) * Q_LEN * H + row
+    part = (slot0 + offs_s[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
+    lse_s = tl.load(part_lse_ptr + part, mask=s_ok[None, :], other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=1)
+    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.where(s_ok[None, :], tl.exp2(lse_s - lse_use[:, None]), 0.0)
+    w_sum = tl.sum(w, axis=1)
+    offs_d = tl.arange(0, D_NOPE)
+    acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
+    for s in range(n_splits):
+        row_part = (slot0 + s).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows
+        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
+        w_s = tl.exp2(tl.load(part_lse_ptr + row_part) - lse_use)
+        acc += w_s[:, None] * tl.load(part_o_ptr + row_part[:, None] * D_NOPE + offs_d[None, :])
+    inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
+    tok = b * Q_LEN + rows // NUM_HEADS
+    h = rows % NUM_HEADS
+    tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_d[None, :],
+             (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
+    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+
+
+def scale_args(scale):
+    """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0, True
+    return None, 1.0 if scale is None else float(scale), False
+
+
+def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -> None:
+    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse, for every split kernel that
+    writes the workspace layout of ``plan`` (the plan the split kernel ran):
+
+    * uniform plan: part = (request * q_len * H + row) * num_splits + split, the split count of each request
+      recomputed here from seq_lens (``request_splits``, with the split kernel's ``block_n``);
+    * balanced plan: part = slot * q_len * H + row, the split requests and their slots read from
+      ``workspace.split_index`` as the split kernel wrote it (ops/workspace.py ``balanced_schedule``).
+
+    ``use_pdl`` launches it as a programmatic dependent of the split kernel (it waits with griddepcontrol).
+    """
+    kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
+    kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
+    out, lse = args.out, args.lse
+    extra = {"launch_pdl": True} if use_pdl else {}
+    if plan.balanced:
+        if plan.max_split_requests == 0:
+            return
+        rows = args.q_len * args.num_heads
+        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests)](
+            out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
+            kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
+            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
+            num_warps=4, **extra,
+        )
+        return
+    combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](
+        out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n,
+        NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
+        D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
+        num_warps=4, **extra,
+    )

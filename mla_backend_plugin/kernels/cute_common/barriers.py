@@ -1,0 +1,62 @@
+"""Synchronisation names of the CuTe decode kernels: named-barrier ids, and an mbarrier ring.
+
+Named barriers (``bar.sync id, n``): id 0 is ``__syncthreads``; each kernel's other ids are an ``IntEnum``
+here, so no kernel writes a literal id and two roles never share one by accident.
+
+``MbarrierRing`` is ``stages`` mbarriers used round-robin by a producer and its consumers: use ``j`` (tile j)
+lives in slot ``j % stages`` at phase ``(j // stages) & 1``; a producer reusing a slot first waits for the
+previous use's release (``wait_released``), a consumer waits for the fill (``wait_filled``). It replaces
+hand-written slot and phase arithmetic, and generates the same instructions. It is a frozen dataclass: the
+DSL passes frozen dataclasses through dynamic ``if``/``for`` bodies unchanged (a mutable object used there is
+treated as written and must be a runtime value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import cutlass.cute as cute
+
+
+class Sm90DecodeBarrier(enum.IntEnum):
+    SYNC_THREADS = 0  # reserved: __syncthreads
+    CONSUMERS = 1  # the two consumer warp groups (256 threads): Q in smem, row maxima posted, P written, sums
+
+
+def consumer_barrier(num_threads: int = 256) -> None:
+    """Both SM90 consumer warp groups meet."""
+    cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.CONSUMERS), number_of_threads=num_threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class MbarrierRing:
+    base: Any  # shared-memory pointer to ``stages`` consecutive Int64 mbarriers
+    stages: int
+    arrivals: int  # arrivals that complete one phase
+
+    def init(self) -> None:
+        """One thread initialises every slot (then ``mbarrier_init_fence`` and a CTA barrier)."""
+        for s in range(self.stages):
+            cute.arch.mbarrier_init(self.base + s, self.arrivals)
+
+    def slot(self, j):
+        return self.base + j % self.stages
+
+    def phase(self, j):
+        return (j // self.stages) & 1
+
+    def wait_filled(self, j) -> None:
+        cute.arch.mbarrier_wait(self.slot(j), self.phase(j))
+
+    def wait_released(self, j) -> None:
+        """Before use ``j`` refills its slot: the consumers released use ``j - stages`` (passes at once for
+        the first ``stages`` uses)."""
+        cute.arch.mbarrier_wait(self.slot(j), self.phase(j) ^ 1)
+
+    def arrive(self, j) -> None:
+        cute.arch.mbarrier_arrive(self.slot(j))
+
+    def arrive_expect_tx(self, j, nbytes: int) -> None:
+        cute.arch.mbarrier_arrive_and_expect_tx(self.slot(j), nbytes)

@@ -1,0 +1,151 @@
+"""The balanced split-KV plan as a CuTe kernel computes it on the device (``BalancedScheduler``).
+
+ops/workspace.py ``balanced_schedule`` is the Python reference; this is the same integer formula, bit for bit
+(tests/test_planner_balanced.py emulates the warp algorithm on CPU against it; the GPU tests check the split
+list a kernel writes). The grid is (m-blocks, work items); every warp of a CTA derives its work item from all
+of seq_lens on its own, so a captured CUDA graph replays correctly with new lengths.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from mla_backend_plugin.kernels.cute_common.compat import SHFL_UP_CLAMP
+
+
+class BalancedScheduler:
+    """Work items of the balanced plan for a kernel whose KV tile is ``block_n`` keys (the plan's unit)."""
+
+    def __init__(self, block_n: int):
+        self.block_n = block_n
+
+    @cute.jit
+    def plan_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits, min_chunk,
+                  work_target):
+        """This CTA's work item: (request + 1, or 0 past the schedule's end; request b; its seq_len; its splits;
+        the item's KV range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
+        (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
+        b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
+        if tidx == 0 and mblk == 0:
+            if w == 0:
+                mSplitIndex[0] = num_split
+            if split == 0 and n_splits > 1:
+                mSplitIndex[1 + 3 * j] = b1 - 1
+                mSplitIndex[2 + 3 * j] = w
+                mSplitIndex[3 + 3 * j] = n_splits
+        b = cutlass.max(b1 - 1, 0)  # request 0 stands in past the end (never used there)
+        seq_len = mSeq[b]
+        kv_start = split * chunk
+        kv_end = cutlass.min(kv_start + chunk, seq_len)
+        n_tiles = cutlass.max(kv_end - kv_start + self.block_n - 1, 0) // self.block_n
+        return b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles
+
+    @cute.jit
+    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
+        """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
+        request; its chunk in tokens; its index j among split requests; J, the number of split requests).
+
+        The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
+        Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
+        step: lane l holds requests 4l..4l+3 of the step, so one warp scan per step gives every request's count
+        of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (a
+        dependent global load costs ~1 us while the other SMs stream KV)."""
+        batch = mSeq.shape[0]
+        lane = cute.arch.lane_idx()
+        # pass 1: T = sum_b tiles_b, then p (tiles per work item)
+        lane_total = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if b < batch:
+                    lane_total = lane_total + cutlass.max((mSeq[b] + self.block_n - 1) // self.block_n, 1)
+        total = cute.arch.warp_reduction_sum(lane_total)
+        per_work = cutlass.max((min_chunk + self.block_n - 1) // self.block_n, (total + work_target - 1) // work_target)
+
+        # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
+        # requests), in order of b; totals NS (slots) and J (split requests)
+        hit_b1 = cutlass.Int32(0)
+        hit_split = cutlass.Int32(0)
+        hit_n = cutlass.Int32(0)
+        hit_chunk = cutlass.Int32(0)
+        hit_j = cutlass.Int32(0)
+        num_slots = cutlass.Int32(0)
+        num_split = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
+                mSeq, base, batch, per_work, num_splits, lane)
+            for u in cutlass.range_constexpr(4):
+                first = num_slots + slots_before[u]
+                if n[u] > 1 and first <= w and w < first + n[u]:
+                    hit_b1 = base + 4 * lane + u + 1
+                    hit_split = w - first
+                    hit_n = n[u]
+                    hit_chunk = chunk[u]
+                    hit_j = num_split + splits_before[u]
+            num_slots = num_slots + step_slots
+            num_split = num_split + step_splits
+        # pass 3, for CTAs past the split items: one item per unsplit request (w = NS + #unsplit requests
+        # before b = NS + b - #split requests before b), in order of b
+        if w >= num_slots:
+            splits_so_far = cutlass.Int32(0)
+            for base in cutlass.range(0, batch, 128, unroll=1):
+                n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
+                    mSeq, base, batch, per_work, num_splits, lane)
+                for u in cutlass.range_constexpr(4):
+                    b = base + 4 * lane + u
+                    if b < batch and n[u] == 1 and num_slots + b - (splits_so_far + splits_before[u]) == w:
+                        hit_b1 = b + 1
+                        hit_n = 1
+                        hit_chunk = chunk[u]
+                splits_so_far = splits_so_far + step_splits
+        # at most one lane holds the hit (none past the schedule's end: every lane's zeros are the answer)
+        hits = cute.arch.vote_ballot_sync(hit_b1 > 0)
+        src = cutlass.min(cute.arch.popc((hits & (0 - hits)) - 1), 31)  # the lowest set bit's lane
+        return (cute.arch.shuffle_sync(hit_b1, src), cute.arch.shuffle_sync(hit_split, src),
+                cute.arch.shuffle_sync(hit_n, src), cute.arch.shuffle_sync(hit_chunk, src),
+                cute.arch.shuffle_sync(hit_j, src), num_split)
+
+    @cute.jit
+    def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane):
+        """Requests base + 4 lane + u (u < 4) of one 128-request step of the balanced plan: their splits n_b
+        (0 past the batch) and chunks, the partial slots and split requests before each within the step, and
+        the step's totals. One warp scan of (slots | split requests << 16): a step has at most
+        128 * num_splits < 2^16 slots."""
+        n = [None] * 4
+        chunk = [None] * 4
+        lens = [None] * 4
+        for u in cutlass.range_constexpr(4):
+            seq_len = cutlass.Int32(-1)  # past the batch
+            if base + 4 * lane + u < batch:
+                seq_len = mSeq[base + 4 * lane + u]
+            lens[u] = seq_len
+        packed_before = [None] * 4
+        own = cutlass.Int32(0)
+        for u in cutlass.range_constexpr(4):
+            n_u = cutlass.Int32(0)
+            chunk_u = cutlass.Int32(0)
+            if lens[u] >= 0:
+                tiles = cutlass.max((lens[u] + self.block_n - 1) // self.block_n, 1)
+                n_u = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
+                ct = (tiles + n_u - 1) // n_u
+                n_u = (tiles + ct - 1) // ct
+                chunk_u = ct * self.block_n
+            n[u] = n_u
+            chunk[u] = chunk_u
+            packed_before[u] = own
+            if n_u > 1:
+                own = own + n_u + (1 << 16)
+        incl = own  # inclusive warp scan over the lanes
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=SHFL_UP_CLAMP)
+            if lane >= (1 << d):
+                incl = incl + up
+        step = cute.arch.shuffle_sync(incl, 31)
+        slots_before = [None] * 4
+        splits_before = [None] * 4
+        for u in cutlass.range_constexpr(4):
+            before = incl - own + packed_before[u]
+            slots_before[u] = before & 0xFFFF
+            splits_before[u] = before >> 16
+        return n, chunk, slots_before, splits_before, step & 0xFFFF, step >> 16

@@ -1,0 +1,142 @@
+"""What a kernel family declares about itself, and the launch knobs a tuner can turn.
+
+Each folder under ``kernels/`` that holds a decode kernel exports ``MANIFEST: KernelManifest`` from its
+``__init__.py``. ``ops/registry.py`` collects them (lazily, by walking ``kernels/``), ``compile.py`` builds
+from them, and ``mla_decode`` launches through them. A manifest names its functions by module path
+(``lazy``), so importing a family's ``__init__`` imports no GPU toolchain (Triton, CuTe-DSL, nvcc).
+
+The kernel contract:
+
+* ``unsupported_reason(args, cc) -> str | None``: None when the family can run this call on a device of
+  compute capability ``cc`` (None for a CPU device), else why not, in words a user can act on;
+* ``default_config(args, cc) -> LaunchConfig``: what ``mla_decode`` runs when nobody chose (the environment's
+  defaults, see ``envs.py``); cheap, it runs on every call;
+* ``configs(args, cc) -> list[LaunchConfig]``: every candidate a tuner may time for this call, default first;
+* ``launch(args, workspace, config)``: run, writing ``args.out`` / ``args.lse``; no allocation, no host sync;
+* ``plan_tile(num_heads, smem_per_block, config) -> PlanTile``: the query rows one CTA owns and the KV tile,
+  which the workspace's split plan is computed with (so each family plans for its own grid);
+* ``combine``: who merges split-KV partials: ``"shared"`` (kernels/combine, in the layout of the config's
+  split plan), ``"own"`` (the family's own kernel) or ``"none"`` (never splits);
+* ``compile_variants(arch) -> list[VariantResult]``: the ahead-of-time build of every variant for an arch,
+  with the family's SASS checks (``python -m mla_backend_plugin.compile``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+SPLIT_PLANS = ("balanced", "uniform")
+FP8_DESIGNS = ("fp8mma", "dequant")
+COMBINES = ("shared", "own", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The knobs of one launch. A family reads the fields it has and ignores the rest; ``configs()`` lists
+    only values the family supports. Hashable and JSON-friendly (``as_dict``), so a tuner can cache it."""
+
+    split_plan: str = "balanced"  # "balanced" | "uniform": how split-KV work is spread (ops/workspace.py)
+    max_splits: int | None = None  # cap on splits per request; None = the workspace's
+    min_chunk: int | None = None  # tokens; the smallest chunk a request is split into; None = the workspace's
+    enable_pdl: bool = True  # programmatic dependent launch (SM90+)
+    fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant"
+    tile: tuple[int, ...] | None = None  # a family's tile, e.g. Triton's (block_m, block_n, warps, stages)
+
+    def __post_init__(self):
+        if self.split_plan not in SPLIT_PLANS:
+            raise ValueError(f"LaunchConfig: split_plan {self.split_plan!r}; allowed: {', '.join(SPLIT_PLANS)}")
+        if self.fp8_design is not None and self.fp8_design not in FP8_DESIGNS:
+            raise ValueError(f"LaunchConfig: fp8_design {self.fp8_design!r}; allowed: {', '.join(FP8_DESIGNS)}")
+        if self.max_splits is not None and not 1 <= self.max_splits <= 64:
+            raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
+
+    @property
+    def balanced(self) -> bool:
+        return self.split_plan == "balanced"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tile"] = list(self.tile) if self.tile is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LaunchConfig:
+        d = dict(d)
+        if d.get("tile") is not None:
+            d["tile"] = tuple(d["tile"])
+        return cls(**d)
+
+    def label(self) -> str:
+        parts = [self.split_plan]
+        if self.max_splits is not None:
+            parts.append(f"splits<={self.max_splits}")
+        if self.min_chunk is not None:
+            parts.append(f"chunk>={self.min_chunk}")
+        if self.fp8_design:
+            parts.append(self.fp8_design)
+        if self.tile:
+            parts.append("tile " + "x".join(map(str, self.tile)))
+        parts.append("pdl" if self.enable_pdl else "no-pdl")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTile:
+    rows_per_cta: int  # query rows (q_len x heads folded into M) one CTA of the split kernel owns
+    block_n: int  # keys per KV tile: the unit split chunks are rounded to
+
+
+@dataclasses.dataclass
+class VariantResult:
+    """One row of ``python -m mla_backend_plugin.compile``: a compiled variant and what its build reports."""
+
+    name: str
+    ok: bool
+    registers: int | None = None
+    shared_bytes: int | None = None
+    spill_bytes: int | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+def lazy(module: str, attr: str) -> Callable:
+    """``module.attr``, imported on first call, so that a manifest imports nothing heavy."""
+    target = None
+
+    def call(*args, **kwargs):
+        nonlocal target
+        if target is None:
+            target = getattr(importlib.import_module(module), attr)
+        return target(*args, **kwargs)
+
+    call.__name__ = f"{module.rsplit('.', 1)[-1]}.{attr}"
+    call.__qualname__ = call.__name__
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelManifest:
+    name: str  # what users pass as kernel= / CUTE_MLA_KERNEL
+    description: str
+    archs: tuple[str, ...]  # ahead-of-time build targets (ops/arch.py names); () = nothing to compile
+    # compute capabilities where the GPU test suite passed on real hardware; None = everywhere (reference).
+    # Anywhere else the first-use self-check (ops/selfcheck.py) must pass before the kernel runs.
+    verified_archs: frozenset[tuple[int, int]] | None
+    unsupported_reason: Callable[..., str | None]
+    launch: Callable[..., None]
+    default_config: Callable[..., LaunchConfig]
+    configs: Callable[..., list[LaunchConfig]]
+    plan_tile: Callable[..., PlanTile] | None  # None: the family needs no split plan (no workspace)
+    combine: str
+    compile_variants: Callable[..., list[VariantResult]] | None = None
+
+    def __post_init__(self):
+        if self.combine not in COMBINES:
+            raise ValueError(f"{self.name}: combine {self.combine!r}; allowed: {', '.join(COMBINES)}")
+
+    @property
+    def needs_workspace(self) -> bool:
+        return self.plan_tile is not None
