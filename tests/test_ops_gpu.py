@@ -5,8 +5,9 @@ cannot run on this GPU (``unsupported_reason``); ``MLA_TEST_KERNELS=cute_sm90,tr
 
 Every call writes into NaN-poisoned ``out``/``lse`` so an element the kernel forgets to write fails, and the
 inputs come from ``make_decode_inputs`` (permuted pages, garbage block-table padding pointing at spare pages,
-poisoned unused KV slots, q_pe as a strided view). The axes (batch, KV length, q_len, heads, block size, dtypes,
-scale forms) are covered by several small grids instead of their full product, to keep the file to a few minutes:
+NaN or +-inf in every KV slot no request may read, q_pe as a strided view). The axes (batch, KV length, q_len,
+heads, block size, dtypes, scale forms) are covered by several small grids instead of their full product, to keep
+the file to a few minutes:
 
 * ``test_batch_seq_grid``: every (batch, seq_len) pair, bf16, q_len 1, 128 heads, block 64;
 * ``test_qlen_heads_dtype_block``: every (q_len, heads, KV dtype, block size) at batch 3, ~300 tokens, with
@@ -70,6 +71,11 @@ def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
+def _poison(seed: int) -> str:
+    """NaN or +-inf in every slot no request may read (the tail of each last page, spare pages that the
+    block-table padding points at), alternating by case."""
+    return ("nan", "inf")[seed % 2]
+
 
 def _sync() -> None:
     if torch.device(DEVICE).type == "cuda":
@@ -107,7 +113,7 @@ def test_batch_seq_grid(batch, seq):
     bs = 64
     lens = draw_seq_lens(batch, seq, block_size=bs, seed=_seed(batch, seq), max_total_tokens=MAX_TOTAL_TOKENS)
     seed = _seed("grid", batch, seq)
-    inp = make_decode_inputs(batch, lens, 1, 128, bs, BF16, "pair", DEVICE, seed)
+    inp = make_decode_inputs(batch, lens, 1, 128, bs, BF16, "pair", DEVICE, seed, poison=_poison(seed))
     _check(inp)
 
 
@@ -151,7 +157,7 @@ def test_qlen_heads_dtype_block(q_len, heads, bs, kv, q_form, q_scale, kv_scale,
     short = q_len - 1 if q_len > 1 else 1  # with q_len > 1 the first rows of this request see no key
     lens = [a, short, b]
     inp = make_decode_inputs(3, lens, q_len, heads, bs, FP8 if kv == "fp8" else BF16, q_form, DEVICE, seed,
-                             q_scale=q_scale, kv_scale=kv_scale)
+                             q_scale=q_scale, kv_scale=kv_scale, poison=_poison(seed))
     _check(inp, scales_as_tensor=as_tensor)
 
 

@@ -44,7 +44,7 @@ def run_self_check(spec, device: torch.device) -> str | None:
     cc = device_capability(device)
     for i, (num_heads, q_len, block_size, kv_dtype, kv_scale, seq_lens) in enumerate(_CASES):
         inputs = make_decode_inputs(len(seq_lens), list(seq_lens), q_len, num_heads, block_size, kv_dtype, "cat",
-                                    device, seed=1234 + i, kv_scale=kv_scale)
+                                    device, seed=1234 + i, kv_scale=kv_scale, poison="nan")
         args = prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, **inputs.scale_kwargs())
         if spec.unsupported_reason(args, cc) is not None:
             continue  # e.g. fp8 on a GPU without fp8: the registry never picks the kernel for such calls

@@ -5,11 +5,11 @@ that no request owns, block-table columns past each request's pages filled with 
 a strided view (``q_form="pair"``), and every KV slot no request may read (spare pages, the tail of each
 request's last page) poisoned, so that a kernel reading a slot it must not read gets a visibly wrong answer:
 
-* ``poison="nan"`` / ``"inf"``: NaN or +-inf (an fp8 e4m3fn cache has no inf: NaN there). What vLLM
+* ``poison="nan"`` (default) / ``"inf"``: NaN or +-inf (an fp8 e4m3fn cache has no inf: NaN there). What vLLM
   hands a kernel can be exactly that (slots past a request's length hold whatever their block held before, and
   e4m3 has NaN encodings); P = 0 times V = NaN is NaN, so this also catches a kernel that masks the logits but
   multiplies a masked probability into V.
-* ``poison="finite"`` (default): +-8192 (16-bit caches) / +-448 (fp8) per dimension: a kernel that loads such a slot but
+* ``poison="finite"``: +-8192 (16-bit caches) / +-448 (fp8) per dimension: a kernel that loads such a slot but
   masks it (probability exactly 0) passes; one that lets it into the softmax is off by orders of magnitude.
 
 KV values are N(0, 1) dequantised values: an fp8 cache stores ``value / kv_scale`` (clipped to the e4m3 range);
@@ -229,7 +229,7 @@ def make_decode_inputs(
     num_blocks: int | None = None,
     max_blocks: int | None = None,
     softmax_scale: float = SOFTMAX_SCALE,
-    poison: str | None = "finite",
+    poison: str | None = "nan",
     kv_copies: int = 1,
 ) -> DecodeInputs:
     """Random decode inputs (see the module docstring for what makes them adversarial).

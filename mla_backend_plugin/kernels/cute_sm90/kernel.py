@@ -374,6 +374,13 @@ class Sm90MlaDecode:
             kv_pipe.consumer_wait(read_state)
             self.issue_qk(qk_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage)
             warpgroup.wait_group(0)
+            if cutlass.const_expr(not self.fp8_kv):
+                # TMA loads whole page slices, so the slots of the last page past seq_len (whatever the block
+                # held before, NaN included) reach shared memory. P is 0 there, but 0 x NaN = NaN in P V: zero
+                # those rows of V first (the fp8 producer never loads them).
+                valid = kv_end - (kv_start + j * BLOCK_N)
+                if valid < BLOCK_N:
+                    self.zero_v_rows(sKV, stage, valid, grp, ctid % 128)
 
             self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
                               kv_start + j * BLOCK_N, cd, 1.0)
@@ -389,6 +396,19 @@ class Sm90MlaDecode:
 
         self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
                           kscale, 1.0, n_splits, b, mblk, w)
+
+    @cute.jit
+    def zero_v_rows(self, sKV, stage, first, grp, gtid):
+        """Zero the V columns (0..511) of the keys >= ``first`` among this group's 32 keys of the tile. This group
+        alone read those rows (its Q K^T, finished); the other group's P V reads them after barrier C, which
+        softmax_step reaches after its async-proxy fence, so the zeros are visible to that wgmma."""
+        chunks = D_NOPE // 8  # 16-byte chunks of a row's V
+        half = BLOCK_N // 2
+        for i in cutlass.range(gtid, half * chunks, 128, unroll=1):
+            row = grp * half + i // chunks
+            if row >= first:
+                dst = cute.local_tile(sKV[(row, None, stage)], (8,), (i % chunks,))
+                dst.store(cute.zeros_like(dst.load()))
 
     @cute.jit
     def softmax_step(self, acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,

@@ -288,7 +288,13 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             rings.full_k.wait_filled(j)  # K tile landed
             kst = k_base + s * K_STAGE_BYTES
             vst = vt_base + s * VT_STAGE_BYTES
-            self.transpose_v(kst, vst, keys, wq, b0, g, sel_lo, sel_hi, sel_e, sel_o, BLOCK_N, False)
+            # keys past the item's end: TMA loaded whole page slices, so the last page's slots past seq_len
+            # (NaN possible) are in the K tile; P is 0 there but 0 x NaN = NaN, so V^T gets zeros for them
+            valid = kv_end - (kv_start + j * BLOCK_N)
+            if valid >= BLOCK_N:
+                self.transpose_v(kst, vst, keys, wq, b0, g, sel_lo, sel_hi, sel_e, sel_o, valid, False)
+            else:
+                self.transpose_v(kst, vst, keys, wq, b0, g, sel_lo, sel_hi, sel_e, sel_o, valid, True)
             # V^T stores (generic proxy) must be visible to wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             rings.full_v.arrive(j)
