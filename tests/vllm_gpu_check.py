@@ -47,7 +47,7 @@ def install_checker(stats: dict) -> None:
         ref_out, ref_lse = mla_decode_reference(
             q_nope, q_pe, cache, decode.block_table, decode.seq_lens, q_len, self.scale,
             q_scale=layer._q_scale if q_nope.dtype == FP8_DTYPE else None,
-            kv_scale=layer._k_scale if self.is_fp8_kv_cache else None)
+            kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None)
         rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
         finite = torch.isfinite(ref_lse)
         lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
