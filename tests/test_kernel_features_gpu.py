@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+from mla_backend_plugin.ops import KERNELS, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_backend_plugin.testing import (
     assert_close_decode,
@@ -64,7 +64,9 @@ def test_pdl_on_off_identical(monkeypatch, kv_dtype, num_sms):
     inp = make_decode_inputs(4, lens, 3, 32, 32, kv_dtype, "pair", "cuda", 11,
                              kv_scale=3.0 if kv_dtype == FP8_DTYPE else None)
     ws = MLAWorkspace("cuda", max_batch=4, max_q_len=3, num_heads=32, num_sms=num_sms)
-    assert (ws.plan(4, 3).num_splits > 1) == (num_sms > 1)
+    tile = KERNELS[KERNEL].plan_tile(32, None, None)
+    plan = ws.plan(4, 3, balanced=KERNEL == "cute_sm90", rows_per_cta=tile.rows_per_cta)
+    assert plan.has_combine == (num_sms > 1)
     results = {}
     for pdl in ("1", "0"):
         monkeypatch.setenv("CUTE_MLA_PDL", pdl)

@@ -295,6 +295,7 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
     """A 33k-token request in a batch of ~200-token ones (and a padded slot): correct output, and for the
     kernels that run the balanced split plan the split list the kernel wrote for the combine is exactly
     ops/workspace.py balanced_schedule's (the long request split even when the batch fills the GPU)."""
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M as CUTE_BLOCK_M
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
     from mla_backend_plugin.ops.workspace import balanced_schedule
 
@@ -311,7 +312,7 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
     _check(inp, workspace=ws)
     if KERNEL != "cute_sm90":
         return  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
-    plan = ws.plan(batch, q_len, balanced=True)
+    plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=CUTE_BLOCK_M)
     sched = balanced_schedule(lens, CUTE_BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
     assert sched.splits[batch // 2] > 1, sched.splits
     expected = [len(sched.split_requests)]

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from mla_backend_plugin.ops.arch import device_capability, device_smem_per_block
+from mla_backend_plugin.ops.arch import arch_for_cc, device_capability, device_smem_per_block
 from mla_backend_plugin.ops.manifest import KernelManifest, LaunchConfig
 
 logger = logging.getLogger("mla_backend_plugin")
@@ -96,13 +96,18 @@ def available_kernels() -> tuple[str, ...]:
 
 
 def plan_rows_for(num_heads: int, device) -> tuple[int, ...]:
-    """The CTA row heights of every kernel that may run on ``device`` with its default tile (a workspace is
-    sized for all of them); every family's for a device that is not a GPU."""
+    """The CTA row heights of every kernel that may run on ``device`` with its default tile, so that a workspace
+    sized for all of them serves ``kernel="auto"`` and any kernel asked for by name: the device major's
+    AUTO_ORDER and every family built for its arch; every family's for a device that is not a GPU."""
     cc = device_capability(device)
     smem = device_smem_per_block(device)
-    majors = AUTO_ORDER.get(cc[0], ()) if cc is not None else tuple(KERNELS)
+    if cc is None:
+        names = tuple(KERNELS)
+    else:
+        arch = arch_for_cc(cc)
+        names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if arch and arch.name in m.archs)
     rows = {KERNELS[name].plan_tile(num_heads, smem, None).rows_per_cta
-            for name in majors if KERNELS[name].plan_tile is not None}
+            for name in names if KERNELS[name].plan_tile is not None}
     return tuple(sorted(rows)) or (64,)
 
 
