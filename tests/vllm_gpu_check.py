@@ -43,7 +43,7 @@ def install_checker(stats: dict) -> None:
         else:
             q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
         q_len = q_nope.shape[0] // decode.block_table.shape[0]
-        cache = kv_cache.view(FP8_DTYPE) if self.is_fp8_kv_cache else kv_cache
+        cache = kv_cache.view(FP8_DTYPE) if self.runner.is_fp8_kv_cache else kv_cache
         ref_out, ref_lse = mla_decode_reference(
             q_nope, q_pe, cache, decode.block_table, decode.seq_lens, q_len, self.scale,
             q_scale=layer._q_scale if q_nope.dtype == FP8_DTYPE else None,
