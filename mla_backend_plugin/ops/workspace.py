@@ -71,7 +71,7 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     (m_blocks, G) with G = min(batch + W - 1, batch * max_splits) items, which bounds the schedule of
     ``balanced_schedule`` for every seq_lens: sum_b cdiv(tiles_b, p) < T / p + batch <= W + batch. So at most
     W - 1 CTAs per m-block exit at once (about one per SM, whatever the batch) - the trade-off against a
-    (batch, m_blocks, Z) grid, whose batch * m_blocks * (Z - 1) empty CTAs would cost 5-25% at large batches of
+    (batch, m_blocks, Z) grid, whose batch * m_blocks * (Z - 1) empty CTAs cost measurably at large batches of
     short requests (benchmarks/NOTES.md). Split requests each have tiles_b > p >= T / W, so there are at most
     J_max = min(batch, W - 1) of them (J of them), and their items (the partial slots) number
     NS <= sum_split (tiles_b + p - 1) / p <= (T - (batch - J) + J (p - 1)) / p <= W + J - batch / p < W + J,

@@ -49,8 +49,8 @@ class BalancedScheduler:
         The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
         Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
         step: lane l holds requests 4l..4l+3 of the step, so one warp scan per step gives every request's count
-        of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (a
-        dependent global load costs ~1 us while the other SMs stream KV)."""
+        of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (dependent
+        global loads are slow while the other SMs stream KV: benchmarks/NOTES.md, cute_sm90 v3)."""
         batch = mSeq.shape[0]
         lane = cute.arch.lane_idx()
         # pass 1: T = sum_b tiles_b, then p (tiles per work item)

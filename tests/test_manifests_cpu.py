@@ -1,0 +1,95 @@
+"""The kernel-family contract (ops/manifest.py): every family under kernels/ declares a well-formed MANIFEST, the
+registry and compile.py are built from the manifests, nothing heavy is imported to read them, and the launch
+knobs reach mla_decode as keywords."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mla_backend_plugin.ops import KERNELS, LaunchConfig, PlanTile, mla_decode, prepare_args, registry
+from mla_backend_plugin.ops.arch import ARCHS
+from mla_backend_plugin.ops.manifest import COMBINES, KernelManifest, lazy
+from mla_backend_plugin.testing import make_decode_inputs
+
+
+def _args(kv_dtype=torch.bfloat16, heads=128, q_len=2):
+    inp = make_decode_inputs(2, [70, 300], q_len, heads, 64, kv_dtype, "cat", "cpu", 0,
+                             kv_scale=2.0 if kv_dtype == torch.float8_e4m3fn else None)
+    return prepare_args(*inp.call_args(), softmax_scale=0.1, **inp.scale_kwargs())
+
+
+def test_every_family_is_found_and_well_formed():
+    assert set(KERNELS) == {"cute_sm90", "triton", "xqa_sm120", "reference"}
+    for name, m in KERNELS.items():
+        assert isinstance(m, KernelManifest) and m.name == name and m.combine in COMBINES
+        assert set(m.archs) <= set(ARCHS), (name, m.archs)
+        assert (m.compile_variants is None) == (not m.archs), name
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):
+            args = _args(kv)
+            default = m.default_config(args, (9, 0))
+            candidates = m.configs(args, (9, 0))
+            assert isinstance(default, LaunchConfig) and candidates[0] == default, name
+            assert len(set(candidates)) == len(candidates), name
+            for c in candidates:
+                assert LaunchConfig.from_dict(c.as_dict()) == c  # JSON-friendly for a tuner's cache
+        if m.needs_workspace:
+            for heads in (16, 128):
+                tile = m.plan_tile(heads, 232_448, None)
+                assert isinstance(tile, PlanTile) and tile.rows_per_cta in (16, 32, 64, 128) and tile.block_n >= 16
+
+
+def test_the_registry_reads_manifests_without_importing_toolchains():
+    code = ("import sys\nfrom mla_backend_plugin.ops import KERNELS\nfrom mla_backend_plugin import compile\n"
+            "names = sorted(KERNELS)\nfams = sorted(compile.families())\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'cutlass', 'vllm', 'tvm_ffi'))\n"
+            "print(names, fams, bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ("['cute_sm90', 'reference', 'triton', 'xqa_sm120'] "
+                           "['cute_sm90', 'triton', 'xqa_sm120'] []"), out
+
+
+def test_auto_order_names_only_declared_kernels(monkeypatch):
+    monkeypatch.setattr(registry, "AUTO_ORDER", {9: ("nope",)})
+    with pytest.raises(RuntimeError, match=r"AUTO_ORDER names kernels no family declares: \['nope'\]"):
+        registry._discover()
+
+
+def test_lazy_imports_on_first_call():
+    f = lazy("json", "dumps")
+    assert f.__name__ == "json.dumps" and f([1]) == "[1]"
+
+
+def test_launch_config_validation():
+    with pytest.raises(ValueError, match="split_plan 'even'; allowed: balanced, uniform"):
+        LaunchConfig(split_plan="even")
+    with pytest.raises(ValueError, match="fp8_design 'int4'; allowed: fp8mma, dequant"):
+        LaunchConfig(fp8_design="int4")
+    with pytest.raises(ValueError, match="max_splits must be in 1..64"):
+        LaunchConfig(max_splits=65)
+
+
+def test_mla_decode_launch_keywords():
+    """enable_pdl / fp8_design / config reach the kernel; bad values are refused by name."""
+    inp = make_decode_inputs(2, [70, 300], 1, 16, 16, torch.float8_e4m3fn, "cat", "cpu", 0, kv_scale=2.0)
+    kw = dict(softmax_scale=0.1, kernel="reference", out_dtype=torch.bfloat16, **inp.scale_kwargs())
+    seen = []
+    real = KERNELS["reference"]
+    spec = type(real)(**{**real.__dict__, "launch": lambda a, w, c: (seen.append(c), real.launch(a, w, c))})
+    registry_kernels = dict(KERNELS)
+    registry_kernels["reference"] = spec
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "KERNELS", registry_kernels)
+        mla_decode(*inp.call_args(), fp8_design="dequant", enable_pdl=False, **kw)
+        mla_decode(*inp.call_args(), config=LaunchConfig(split_plan="uniform", max_splits=8), **kw)
+        with pytest.raises(ValueError, match=r"enable_pdl: PDL needs compute capability >= 9.0"):
+            mla_decode(*inp.call_args(), enable_pdl=True, **kw)
+        with pytest.raises(ValueError, match=r"fp8_design: 'fast' is not a design; allowed: fp8mma, dequant"):
+            mla_decode(*inp.call_args(), fp8_design="fast", **kw)
+        with pytest.raises(ValueError, match=r"config: must be a LaunchConfig, got dict"):
+            mla_decode(*inp.call_args(), config={"split_plan": "uniform"}, **kw)
+    assert seen[0].fp8_design == "dequant" and not seen[0].enable_pdl
+    assert seen[1] == LaunchConfig(split_plan="uniform", max_splits=8)
