@@ -329,6 +329,7 @@ class Choice:
     config: LaunchConfig
     label: str
     time_us: float | None
+    cid: str = ""
     checked: bool = False  # passed the self-check in this process (or is verified here)
     logged: bool = False
 
@@ -365,17 +366,20 @@ def _choice_for(cid: str | None, result: TuneResult | None) -> Choice | None:
     if spec is None:
         return None
     time_us = result.timings_us.get(cid) if result is not None else None
-    return Choice(spec, cand.config, cand.label, time_us)
+    return Choice(spec, cand.config, cand.label, time_us, cid)
 
 
 def _rebuild_profile_choices() -> None:
     profile = seq_profile()
     for table_key, per_seq in _RESULTS.items():
         row = _TABLE.setdefault(table_key, {})
-        row.pop(PROFILE, None)
+        old = row.pop(PROFILE, None)
         picked = [per_seq[b] for b in profile if b in per_seq]
         if picked:
             cid = choose_for_profile(picked)
+            if old is not None and old.cid == cid:
+                row[PROFILE] = old  # unchanged: keep its self-check and log state
+                continue
             choice = _choice_for(cid, picked[-1] if len(picked) == 1 else None)
             if choice is not None:
                 row[PROFILE] = choice
@@ -728,6 +732,8 @@ def measure_on_gpu(key: ShapeKey, candidates: list[Candidate], static: Candidate
         phase = "first call"
         try:
             launch = runner(cand)
+            out.fill_(math.nan)  # what a candidate leaves unwritten must not pass for the previous one's output
+            lse.fill_(math.nan)
             launch(0)
             torch.cuda.synchronize()
             if ref is None:
@@ -784,8 +790,14 @@ def tune_shape(key: ShapeKey, device, *, kernels: Iterable[str] | None = None, m
     if static is not None and static not in candidates:
         static = None
     measure = measure or measure_on_gpu
-    timings, more_refused = measure(key, candidates, static, inputs, copies, workspace, deadline,
-                                    time_per_candidate)
+    try:
+        timings, more_refused = measure(key, candidates, static, inputs, copies, workspace, deadline,
+                                        time_per_candidate)
+    except BudgetExceeded:
+        del inputs, args, out, lse, workspace
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise
     refused.update(more_refused)
     labels = {c.cid: c.label for c in candidates}
     static_id = static.cid if static is not None else None
