@@ -390,8 +390,12 @@ def test_decode_runner_prepares_before_the_first_decode(monkeypatch):
     inputs = _inputs(batch=2)
     ws = MLAWorkspace("cpu", max_batch=2, num_heads=16, num_sms=4, out_dtype=torch.bfloat16)
     runner = serving.DecodeRunner(inputs.softmax_scale, "auto")
-    runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws, max_seq_len=300, tuning=Hook())
-    assert order == [("tune", "cpu"), ("decode", 300)]
+    hook = Hook()
+    hook.host_lengths = True  # an eager engine: the step's longest length picks the bucket
+    runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws, max_seq_len=300, tuning=hook)
+    hook.host_lengths = False  # full decode graphs: warm-up and capture run the context profile's choice
+    runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws, max_seq_len=300, tuning=hook)
+    assert order == [("tune", "cpu"), ("decode", 300), ("tune", "cpu"), ("decode", None)]
 
 
 def test_prepare_deployment_on_cpu_sets_the_profile(monkeypatch):

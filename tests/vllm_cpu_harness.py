@@ -210,6 +210,7 @@ def scenario_autotune_deployment() -> None:
     cfg = engine_config("--attention-backend", "CUTE_MLA", "--max-num-seqs", "32", "--kv-cache-dtype", "fp8")
     sizes = cfg.compilation_config.cudagraph_capture_sizes
     assert sizes, "vLLM made no CUDA-graph sizes"
+    assert compat.full_decode_graphs(cfg), cfg.compilation_config.cudagraph_mode
     dep = deployment_for(cfg, 16, 64)
     assert dep.batches == tuple(sorted({s for s in sizes if s <= 32})), (dep.batches, sizes)
     assert (dep.q_len, dep.seq_lens, dep.max_blocks) == (1, (4096,), 64)
@@ -218,6 +219,10 @@ def scenario_autotune_deployment() -> None:
     eager = deployment_for(engine_config("--attention-backend", "CUTE_MLA", "--max-num-seqs", "20", "--enforce-eager",
                                          "--dtype", "float16"), 16, 32)
     assert eager.batches == (1, 2, 4, 8, 16) and eager.kv_dtype == eager.out_dtype == "fp16", eager
+    assert not compat.full_decode_graphs(engine_config("--attention-backend", "CUTE_MLA", "--enforce-eager"))
+    piecewise = engine_config("--attention-backend", "CUTE_MLA", "--compilation-config",
+                              '{"cudagraph_mode": "PIECEWISE"}')
+    assert not compat.full_decode_graphs(piecewise), piecewise.compilation_config.cudagraph_mode
     os.environ["CUTE_MLA_TUNE_SEQ_LENS"] = "1000,9000"
     assert deployment_for(cfg, 16, 64).seq_lens == (1000, 9000)
     fields = {f.name for f in dataclasses.fields(CuteMLADecodeMetadata)}

@@ -148,8 +148,12 @@ class DeploymentTuning:
     (its warm-up runs of each size), so every graph captures a tuned or cached choice; in eager mode it is the
     first decode step."""
 
-    def __init__(self, deployment: autotune.Deployment, *, tune: bool | None = None, budget_s: float | None = None):
+    def __init__(self, deployment: autotune.Deployment, *, tune: bool | None = None, budget_s: float | None = None,
+                 host_lengths: bool = True):
         self.deployment = deployment
+        # whether decode calls may pick by the step's longest length (eager engines); False with full CUDA
+        # graphs, so that the engine's eager warm-up of a graph size runs (and compiles) what its capture runs
+        self.host_lengths = host_lengths
         self.tune = envs.CUTE_MLA_AUTOTUNE if tune is None else tune
         self.budget_s = envs.CUTE_MLA_AUTOTUNE_BUDGET_S if budget_s is None else budget_s
         self.report: dict | None = None
@@ -185,6 +189,8 @@ class DecodeRunner:
         choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook."""
         if tuning is not None:
             tuning.run_once(workspace.device)
+            if not tuning.host_lengths:
+                max_seq_len = None
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         num_tokens = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
         out, lse = workspace.output_views(num_tokens)

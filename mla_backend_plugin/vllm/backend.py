@@ -53,7 +53,10 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             num_heads=self.num_heads, out_dtype=vllm_config.model_config.dtype)
         # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
         # CUTE_MLA_AUTOTUNE=1 tuned) on the first eager decode call, which vLLM makes before capturing graphs.
-        self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.num_heads, kv_cache_spec.block_size))
+        # With full decode graphs the choice must not follow the step's lengths: vLLM's eager warm-up of each
+        # graph size then compiles exactly what the capture runs.
+        self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.num_heads, kv_cache_spec.block_size),
+                                               host_lengths=not compat.full_decode_graphs(vllm_config))
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
@@ -63,11 +66,11 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
 
 
 def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
-    """The autotuner's view of this engine: its full-CUDA-graph batch sizes (none in eager mode: powers of two up
-    to max_num_seqs), max_model_len, dtypes, speculative q_len and kernel block size."""
+    """The autotuner's view of this engine: its full-CUDA-graph batch sizes (without full decode graphs: powers of
+    two up to max_num_seqs), max_model_len, dtypes, speculative q_len and kernel block size."""
     spec = vllm_config.speculative_config
-    compilation = vllm_config.compilation_config
-    capture_sizes = None if vllm_config.model_config.enforce_eager else compilation.cudagraph_capture_sizes
+    capture_sizes = (vllm_config.compilation_config.cudagraph_capture_sizes
+                     if compat.full_decode_graphs(vllm_config) else None)
     return serving.make_deployment(
         num_heads=num_heads, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,

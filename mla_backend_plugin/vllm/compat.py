@@ -58,6 +58,14 @@ def decode_max_seq_len(build_decode_kwargs: dict) -> int | None:
     return int(value) if value is not None else None
 
 
+def full_decode_graphs(vllm_config) -> bool:
+    """Whether decode steps replay full CUDA graphs (one per batch size; ``cudagraph_mode`` FULL for decode)."""
+    if vllm_config.model_config.enforce_eager:
+        return False
+    decode_mode = getattr(vllm_config.compilation_config.cudagraph_mode, "decode_mode", None)
+    return decode_mode is not None and decode_mode().name == "FULL"
+
+
 def has_named_backends(enum_cls) -> bool:
     """vLLM >= 0.32: ``AttentionBackendEnum`` takes out-of-tree members through ``register``."""
     return hasattr(enum_cls, "register")
