@@ -447,9 +447,8 @@ def lookup(args, cc, max_seq_len: int | None = None) -> Choice | None:
         choice = row.get(PROFILE)
     if choice is None or choice.spec.unsupported_reason(args, cc) is not None:
         return None
-    if not choice.checked:
-        if not _check(choice, device, cc, capturing):
-            return None
+    if not choice.checked and not _check(choice, device, cc):
+        return None
     if not choice.logged:
         choice.logged = True
         logger.info("mla_decode: autotune: B=%d q_len=%d %d heads %s KV %s -> %s%s", args.batch, args.q_len,
@@ -459,7 +458,7 @@ def lookup(args, cc, max_seq_len: int | None = None) -> Choice | None:
     return choice
 
 
-def _check(choice: Choice, device, cc, capturing: bool) -> bool:
+def _check(choice: Choice, device, cc) -> bool:
     """The self-check of an unverified kernel, once (it runs kernels: not during capture)."""
     from mla_backend_plugin.ops.registry import self_check_failure
 
