@@ -5,6 +5,8 @@
     python benchmarks/bench_decode.py --with-flashinfer # + FlashInfer (JIT-compiles with nvcc first)
     python benchmarks/bench_decode.py --dry-run         # grid, kernels and peers with reasons; no GPU needed
     python benchmarks/bench_decode.py --ragged one-long # ragged batches: one request of S, the rest short
+    python benchmarks/bench_decode.py --candidates --peers none   # the autotuner: tuned `auto` beside every
+                                                        # fixed candidate (kernel:config) of the tuner's set
 
 Per cell (batch B, KV length S, q_len, KV dtype): inputs are built once (mla_backend_plugin.testing) and shared
 by every kernel; each kernel's output is checked against the package's float32 reference (a wrong kernel is
@@ -12,6 +14,11 @@ reported, not timed); each correct kernel is captured in a CUDA graph that cycle
 KV cache that L2 cannot serve them; graphs of all kernels are replayed interleaved and timed with CUDA events
 (the package's timing core, mla_backend_plugin.ops.timing, which the tuner uses too). Results go to
 results.csv / results.json / results.md / plots/*.png (see benchmarks/README.md).
+
+With ``--candidates`` each of our kernels becomes one runner per launch config it lists (``configs()``), named
+``kernel:config``, and a runner ``auto`` calls ``mla_decode(kernel="auto")`` after the autotuner has tuned the
+cell's shape (or found it in the tuning cache, ``CUTE_MLA_TUNE_CACHE``) with the cell's S as the context
+profile; results.md then compares auto with the best fixed candidate per cell and notes the tuning time.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import report
 import torch
 from peers import PEERS, Cell, PeerCall, cell_inputs, check_against_reference
 
+from mla_backend_plugin.ops import autotune
 from mla_backend_plugin.ops.api import mla_decode, prepare_args
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
+from mla_backend_plugin.ops.manifest import LaunchConfig
 from mla_backend_plugin.ops.registry import KERNELS, available_kernels
 from mla_backend_plugin.ops.timing import (
     calls_per_graph_for,
@@ -47,7 +56,7 @@ from mla_backend_plugin.ops.timing import (
     measure_hbm_bytes_per_s,
     time_graphs,
 )
-from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace
 from mla_backend_plugin.testing import DecodeInputs
 
 GRIDS = {
@@ -100,15 +109,34 @@ class FatalCudaError(RuntimeError):
 # Our kernels, behind the same interface as the peers (peers.Peer)
 # ----------------------------------------------------------------------------------------------------------
 
+def meta_args(cell: Cell, q_dtype_name: str):
+    """DecodeArgs of the cell's shapes on meta tensors (no device memory), as our runners call mla_decode."""
+    meta = torch.device("meta")
+    q_dtype = peers.TORCH_DTYPES[q_dtype_name]
+    q = torch.empty(cell.tokens, cell.num_heads, QK_HEAD_DIM, dtype=q_dtype, device=meta)
+    kv = torch.empty(cell.num_blocks, cell.block_size, QK_HEAD_DIM, dtype=peers.TORCH_DTYPES[cell.kv_dtype],
+                     device=meta)
+    block_table = torch.empty(cell.batch, cell.pages_per_request, dtype=torch.int32, device=meta)
+    seq_lens = torch.empty(cell.batch, dtype=torch.int32, device=meta)
+    one = torch.ones(1, device=meta)
+    return prepare_args(q, kv, block_table, seq_lens, softmax_scale=1.0,
+                        q_scale=one if q_dtype == peers.FP8_DTYPE else None,
+                        kv_scale=one if cell.kv_dtype == "fp8" else None, out_dtype=torch.bfloat16)
+
+
 class OurKernel:
+    """One of our kernels (its default config, or one ``config`` of its ``configs()``: ``kernel:config``)."""
+
     kind = report.OURS
 
-    def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool):
+    def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool, config: LaunchConfig | None = None):
         self.kernel = kernel
+        self.config = config
         self.fp8_query = fp8_query  # the q dtype this variant takes in fp8-KV cells
         # an fp8-q variant next to the bf16-q one runs the same thing in bf16-KV cells: run it once
         self.shadowed_in_bf16_cells = shadowed_in_bf16_cells
-        self.name = kernel if fp8_query == "bf16" else f"{kernel}/fp8q"
+        base = kernel if config is None else KERNELS[kernel].label(config)
+        self.name = base if fp8_query == "bf16" else f"{base}/fp8q"
         self.description = KERNELS[kernel].description
 
     def available(self) -> tuple[bool, str]:
@@ -123,35 +151,69 @@ class OurKernel:
             return "needs a CUDA device"
         if self.shadowed_in_bf16_cells and cell.kv_dtype == "bf16":
             return f"same run as {self.kernel} in bf16-KV cells"
-        meta = torch.device("meta")
-        q_dtype = peers.TORCH_DTYPES[self.query_dtype(cell, cc)]
-        q = torch.empty(cell.tokens, cell.num_heads, QK_HEAD_DIM, dtype=q_dtype, device=meta)
-        kv = torch.empty(cell.num_blocks, cell.block_size, QK_HEAD_DIM, dtype=peers.TORCH_DTYPES[cell.kv_dtype],
-                         device=meta)
-        block_table = torch.empty(cell.batch, cell.pages_per_request, dtype=torch.int32, device=meta)
-        seq_lens = torch.empty(cell.batch, dtype=torch.int32, device=meta)
         try:
-            args = prepare_args(q, kv, block_table, seq_lens, softmax_scale=1.0,
-                                q_scale=1.0 if q_dtype == peers.FP8_DTYPE else None,
-                                kv_scale=1.0 if cell.kv_dtype == "fp8" else None, out_dtype=torch.bfloat16)
+            args = meta_args(cell, self.query_dtype(cell, cc))
         except ValueError as e:
             return str(e)
-        return KERNELS[self.kernel].unsupported_reason(args, tuple(cc))
+        spec = KERNELS[self.kernel]
+        reason = spec.unsupported_reason(args, tuple(cc))
+        if reason is None and self.config is not None and self.config not in spec.configs(args, tuple(cc)):
+            reason = f"not one of {self.kernel}'s configs for this cell"
+        return reason
 
     def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
         q, q_scale = inputs.query(self.query_dtype(cell, None))
         kv_scale = inputs.kv_scale_tensor()
+        # as the serving backends make it (room for every split cap a config may ask for)
         workspace = MLAWorkspace(inputs.device, max_batch=cell.batch, max_q_len=cell.q_len,
-                                 num_heads=cell.num_heads)
+                                 num_heads=cell.num_heads, split_capacity=SPLIT_CAPACITY)
         out = torch.empty(cell.tokens, cell.num_heads, KV_LORA_RANK, dtype=torch.bfloat16, device=inputs.device)
         lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=inputs.device)
 
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
                               softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=kv_scale,
-                              out=out, lse=lse, workspace=workspace, kernel=self.kernel)
+                              out=out, lse=lse, workspace=workspace, kernel=self.kernel, config=self.config)
 
         return PeerCall(launch, lambda raw: raw)
+
+
+class TunedAuto(OurKernel):
+    """``mla_decode(kernel="auto")`` after the autotuner timed this cell's shape over ``kernels`` (or found it in
+    the tuning cache), with the cell's S as the deployment's context profile (what a CUDA graph captures)."""
+
+    def __init__(self, kernels: tuple[str, ...], tune_time_s: float, retune: bool):
+        self.kernel, self.config, self.fp8_query, self.shadowed_in_bf16_cells = report.AUTO, None, "bf16", False
+        self.name = report.AUTO
+        self.description = f"mla_decode(kernel='auto') tuned per cell over {', '.join(kernels) or '-'}"
+        self.kernels, self.tune_time_s, self.retune = kernels, tune_time_s, retune
+        self.tunings: list[dict] = []  # per cell: shape, seconds, from the cache or not, winner
+
+    def unsupported_reason(self, cell: Cell, cc) -> str | None:
+        return "needs a CUDA device" if cc is None else None
+
+    def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
+        q, q_scale = inputs.query("bf16")
+        kv_scale = inputs.kv_scale_tensor()
+        device = inputs.device
+        cc = torch.cuda.get_device_capability(device)
+        args = prepare_args(q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, softmax_scale=1.0,
+                            q_scale=q_scale, kv_scale=kv_scale)
+        key = autotune.ShapeKey.of(args, cc, cell.seq_len)
+        cache = autotune.cache_for(device)
+        t0 = time.monotonic()
+        report_ = autotune.tune_keys([key], device, cache=cache, force=self.retune, kernels=self.kernels,
+                                     time_per_candidate=self.tune_time_s)
+        seconds = time.monotonic() - t0
+        result = report_["results"][0] if report_["results"] else None
+        cold = report_["tuned"] > 0
+        self.tunings.append({"cell": cell.label(), "shape": key.id(), "cold": cold, "seconds": round(seconds, 2),
+                             "winner": result.labels.get(result.winner) if result and result.winner else None})
+        autotune.set_seq_profile([cell.seq_len])
+        call = super().prepare(cell, inputs)  # mla_decode(kernel="auto"): the lookup under capture
+        winner = result.labels.get(result.winner, "?") if result and result.winner else "static"
+        call.note = f"{winner}; {'tuned' if cold else 'cache'} {seconds:.1f} s"
+        return call
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -246,8 +308,8 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
                     refs[row["q_dtype"]] = inputs.reference(row["q_dtype"])
                 check = check_against_reference(out, lse, *refs[row["q_dtype"]], cell.kv_dtype)
                 del out, lse
-                row.update(max_abs_err=check.max_abs_err, lse_max_abs_err=check.lse_max_abs_err,
-                           note=check.summary())
+                note = "; ".join(x for x in (getattr(call, "note", ""), check.summary()) if x)
+                row.update(max_abs_err=check.max_abs_err, lse_max_abs_err=check.lse_max_abs_err, note=note)
                 if not check.out_ok:
                     row["status"] = report.WRONG
                     continue
@@ -299,9 +361,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ours_default = [k for k in available_kernels() if k not in NOT_BENCHMARKED_KERNELS]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sel = parser.add_argument_group("what runs")
-    sel.add_argument("--kernels", type=_name_list, default=tuple(ours_default),
+    sel.add_argument("--kernels", type=_name_list, default=None,
                      help=f"our kernels, comma-separated, or 'none' (default: every registered kernel but "
-                          f"{', '.join(NOT_BENCHMARKED_KERNELS)}: {','.join(ours_default)})")
+                          f"{', '.join(NOT_BENCHMARKED_KERNELS)}: {','.join(ours_default)}; with --candidates: "
+                          f"the autotuner's kernels for the GPU, CUTE_MLA_CANDIDATES)")
+    sel.add_argument("--candidates", action="store_true",
+                     help="one runner per launch config of each of our kernels (kernel:config) plus 'auto' "
+                          "(mla_decode(kernel='auto') after tuning the cell's shape; tuning cache: "
+                          "CUTE_MLA_TUNE_CACHE): the autotuner's benchmark")
+    sel.add_argument("--tune-time", type=float, default=autotune.TIME_PER_CANDIDATE_S,
+                     help="--candidates: seconds of timed replays per candidate when 'auto' tunes a cell "
+                          "(default: %(default)s)")
+    sel.add_argument("--retune", action="store_true",
+                     help="--candidates: tune every cell again instead of reading the tuning cache")
     sel.add_argument("--peers", type=_name_list, default=DEFAULT_PEERS,
                      help=f"peers, comma-separated, 'all' or 'none' (default: {','.join(DEFAULT_PEERS)}; "
                           f"known: {','.join(PEERS)})")
@@ -364,7 +436,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     if args.kernels == ("none",):
         args.kernels = ()
-    for k in args.kernels:
+    for k in args.kernels or ():
         if k not in available_kernels() or k in NOT_BENCHMARKED_KERNELS:
             parser.error(f"--kernels: {k!r} is not a benchmarkable kernel; choose from {','.join(ours_default)}")
     if args.peers == ("all",):
@@ -390,9 +462,36 @@ def build_cells(args) -> list[Cell]:
             for d in args.kv_dtypes for q in args.q_lens for b in args.batches for s in args.seq_lens]
 
 
-def build_runners(args) -> list:
-    ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in args.ours_fp8_q))
-            for k in args.kernels for q in dict.fromkeys(args.ours_fp8_q)]
+def resolve_kernels(args, cc) -> tuple[str, ...]:
+    """--kernels, or its default: every benchmarkable kernel; with --candidates the tuner's kernels for ``cc``."""
+    if args.kernels is not None:
+        return tuple(args.kernels)
+    if args.candidates and cc is not None:
+        return tuple(autotune.candidate_kernels(tuple(cc)))
+    return tuple(k for k in available_kernels() if k not in NOT_BENCHMARKED_KERNELS)
+
+
+def grid_configs(kernel: str, cells: list[Cell], cc) -> list[LaunchConfig]:
+    """Every config ``kernel`` lists for any cell of the grid (meta tensors; default configs first)."""
+    out: list[LaunchConfig] = []
+    for cell in cells:
+        try:
+            args = meta_args(cell, "bf16")
+        except ValueError:
+            continue
+        if cc is None or KERNELS[kernel].unsupported_reason(args, tuple(cc)) is None:
+            out += KERNELS[kernel].configs(args, tuple(cc) if cc else None)
+    return list(dict.fromkeys(out))
+
+
+def build_runners(args, cc=None, cells: list[Cell] | None = None) -> list:
+    kernels = resolve_kernels(args, cc)
+    if args.candidates:
+        ours = [TunedAuto(kernels, args.tune_time, args.retune)]
+        ours += [OurKernel(k, "bf16", False, config=c) for k in kernels for c in grid_configs(k, cells or [], cc)]
+    else:
+        ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in args.ours_fp8_q))
+                for k in kernels for q in dict.fromkeys(args.ours_fp8_q)]
     return ours + [PEERS[name] for name in args.peers]
 
 
@@ -532,9 +631,9 @@ def _cell_summary(cell: Cell, rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cells = build_cells(args)
-    runners = build_runners(args)
     if args.dry_run:
-        dry_run(args, cells, runners)
+        cc = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else divmod(args.assume_sm, 10)
+        dry_run(args, cells, build_runners(args, cc, cells))
         return 0
     if not torch.cuda.is_available():
         print("bench_decode.py needs a CUDA device (use --dry-run to see the plan here)", file=sys.stderr)
@@ -543,6 +642,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     cc = torch.cuda.get_device_capability(device)
+    runners = build_runners(args, cc, cells)
     unavailable = {}
     for runner in runners:
         ok, reason = runner.available()
@@ -603,6 +703,16 @@ def main(argv=None) -> int:
         meta["stopped_early"] = _one_line(e)
         exit_code = 1
     meta["wall_s"] = round(time.time() - t0, 1)
+    tuned = next((r for r in runners if isinstance(r, TunedAuto)), None)
+    if tuned is not None:
+        meta["autotune"] = {"cache": autotune.default_cache_path(), "kernels": list(tuned.kernels),
+                            "tune_time_s": tuned.tune_time_s, "cells": tuned.tunings,
+                            "cold_s": round(sum(t["seconds"] for t in tuned.tunings if t["cold"]), 1),
+                            "warm_s": round(sum(t["seconds"] for t in tuned.tunings if not t["cold"]), 1)}
+        summary = report.autotune_summary(report.annotate_speedups(rows))
+        print(f"auto within {100 * report.AUTO_TOLERANCE:.0f}% of the best fixed candidate in "
+              f"{sum(e['within'] for e in summary)} of {len(summary)} cells; tuning {meta['autotune']['cold_s']} s "
+              f"cold ({sum(t['cold'] for t in tuned.tunings)} cells), {meta['autotune']['warm_s']} s from the cache")
     for path in report.write_report(report.annotate_speedups(rows), meta, out_dir, plots=not args.no_plots):
         print(path)
     return exit_code

@@ -18,6 +18,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,52 @@ def annotate_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
+# The tuned runner of bench_decode.py --candidates, and how close to the best fixed candidate it must be.
+AUTO = "auto"
+AUTO_TOLERANCE = 0.03
+
+
+def autotune_summary(rows: Sequence[dict], tolerance: float = AUTO_TOLERANCE) -> list[dict]:
+    """Per cell with a timed ``auto`` row: its time, the fastest timed fixed candidate of ours (runners named
+    ``kernel:config``) and auto / best; ``within`` = auto is at most ``tolerance`` slower."""
+    cells: dict[tuple, dict] = {}
+    for row in rows:
+        if row["kind"] != OURS or row["status"] != OK:
+            continue
+        entry = cells.setdefault(cell_key(row), {"auto": None, "best": None})
+        if row["kernel"] == AUTO:
+            entry["auto"] = row
+        elif ":" in row["kernel"] and (entry["best"] is None or row["time_us"] < entry["best"]["time_us"]):
+            entry["best"] = row
+    out = []
+    for key, entry in sorted(cells.items(), key=lambda kv: kv[0]):
+        auto, best = entry["auto"], entry["best"]
+        if auto is None or best is None:
+            continue
+        ratio = auto["time_us"] / best["time_us"]
+        out.append({**dict(zip(CELL_KEYS, key)), "auto_us": auto["time_us"], "best": best["kernel"],
+                    "best_us": best["time_us"], "ratio": ratio, "within": ratio <= 1.0 + tolerance,
+                    "auto_note": auto.get("note") or ""})
+    return out
+
+
+def render_autotune(summary: Sequence[dict], tolerance: float = AUTO_TOLERANCE) -> list[str]:
+    if not summary:
+        return []
+    within = sum(e["within"] for e in summary)
+    lines = ["## Tuned `auto` vs the best fixed candidate", "",
+             f"{within} of {len(summary)} cells within {100 * tolerance:.0f}% (auto / best <= "
+             f"{1 + tolerance:.2f}); geomean auto / best "
+             f"{math.exp(sum(math.log(e['ratio']) for e in summary) / len(summary)):.3f}.", "",
+             "| KV | q_len | B | S | auto us | best fixed | best us | auto / best | tuning |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    for e in sorted(summary, key=lambda e: (e["kv_dtype"], e["q_len"], e["batch"], e["seq_len"])):
+        mark = "" if e["within"] else " **!**"
+        lines.append(f"| {e['kv_dtype']} | {e['q_len']} | {e['batch']} | {e['seq_len']} | {e['auto_us']:.1f} | "
+                     f"{e['best']} | {e['best_us']:.1f} | {e['ratio']:.3f}{mark} | {e['auto_note']} |")
+    return lines + [""]
+
+
 def new_row(kernel: str, kind: str, cell: dict, q_dtype: str, status: str, note: str = "") -> dict:
     """A row with every column present (None where not measured)."""
     row = dict.fromkeys(COLUMNS)
@@ -234,6 +281,7 @@ def render_markdown(rows: Sequence[dict], meta: dict) -> str:
                          "" if speedup is None else f"{speedup:.2f}x ({r['best_peer']})"]
             lines.append("| " + " | ".join(cols) + " |")
         lines.append("")
+    lines += render_autotune(autotune_summary(rows))
     notes: dict[tuple[str, str, str], int] = {}
     for r in rows:
         if r["status"] != OK and r.get("note"):
@@ -391,12 +439,13 @@ def write_plots(rows: Sequence[dict], plot_dir: Path) -> list[Path]:
     for kernel in _kernel_order(rows):
         if not any(r["kernel"] == kernel and r["kind"] == OURS for r in rows):
             continue
-        path = plot_dir / f"speedup_vs_best_peer_{kernel}.png"
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel)  # candidates are named "kernel:config"
+        path = plot_dir / f"speedup_vs_best_peer_{slug}.png"
         if plot_cell_heatmaps(rows, path, kernel, "speedup_vs_best_peer",
                               f"{kernel}: speedup over the fastest correct peer (>1 = {kernel} faster)",
                               centre_at_one=True, missing_label="no peer"):
             written.append(path)
-        path = plot_dir / f"frac_of_floor_{kernel}.png"
+        path = plot_dir / f"frac_of_floor_{slug}.png"
         if plot_cell_heatmaps(rows, path, kernel, "frac_of_floor",
                               f"{kernel}: fraction of the roofline floor reached", centre_at_one=False):
             written.append(path)

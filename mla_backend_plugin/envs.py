@@ -33,7 +33,7 @@ class EnvVar:
     name: str
     default: Any  # returned when the variable is unset or empty
     doc: str
-    kind: str = "str"  # "bool" | "choice" | "str" | "path"
+    kind: str = "str"  # "bool" | "choice" | "str" | "path" | "float" | "list"
     choices: tuple[str, ...] = ()
     # lower-cases and checks a "choice"; None keeps the raw (stripped) string
     parse: Callable[[str, str], Any] | None = None
@@ -61,6 +61,10 @@ class EnvVar:
             return " / ".join(self.choices)
         if self.kind == "path":
             return "a path"
+        if self.kind == "float":
+            return "a number >= 0"
+        if self.kind == "list":
+            return "comma-separated list"
         return "see description"
 
 
@@ -72,6 +76,30 @@ def _cache_dir(name: str, raw: str) -> str | None:
     if v.lower() in _TRUE:
         return ""  # the family's default directory
     return os.path.abspath(os.path.expanduser(v))
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: allowed values are numbers of seconds, e.g. 120") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: must be >= 0")
+    return value
+
+
+def _int_list(name: str, raw: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: allowed values are comma-separated positive integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name}={raw!r}: allowed values are comma-separated positive integers")
+    return values
+
+
+def _name_list(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in raw.split(",") if x.strip())
 
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
@@ -107,6 +135,28 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_NVCC", "",
            "nvcc to build xqa_sm120 with (default: `$CUDA_HOME/bin/nvcc`, `nvcc` on PATH, "
            "`/usr/local/cuda/bin/nvcc`).", kind="path"),
+    EnvVar("CUTE_MLA_AUTOTUNE", False,
+           "vLLM: time the decode candidates of the deployment's shapes (CUDA-graph batch sizes x context "
+           "profile) during warm-up, before graph capture, within `CUTE_MLA_AUTOTUNE_BUDGET_S`, and keep the "
+           "results in the tuning cache. `0`: use what the cache holds, else the static arch table.", kind="bool"),
+    EnvVar("CUTE_MLA_AUTOTUNE_BUDGET_S", 120.0,
+           "Seconds the warm-up tuning may spend (shapes not reached keep the cache's or the static choice).",
+           kind="float", parse=_float),
+    EnvVar("CUTE_MLA_TUNE_SEQ_LENS", (),
+           "The deployment's context profile: comma-separated KV lengths the CUDA-graph choice is tuned for "
+           "(rounded up to powers of two), e.g. `2048,8192`. Default: the engine's max_model_len.",
+           kind="list", parse=_int_list),
+    EnvVar("CUTE_MLA_CANDIDATES", (),
+           "Kernels the tuner times: unset = the arch's default set (`AUTO_ORDER`, plus FlashInfer's trtllm-gen "
+           "on SM100 when its cubins are installed); a list (`cute_sm90,triton`) replaces it, `+name` entries "
+           "add to it (e.g. `+xqa_sm120`).", kind="list", parse=_name_list),
+    EnvVar("CUTE_MLA_TUNE_CACHE", "",
+           "The tuning cache (JSON): unset/`1` = `~/.cache/mla_backend_plugin/autotune.json`, `0` = none (tuning "
+           "results live only in the process), else that file.", kind="path", parse=_cache_dir),
+    EnvVar("FLASHINFER_CUBIN_DIR", "",
+           "FlashInfer's own variable, read (never set) here: a directory of trtllm-gen cubins. FlashInfer's "
+           "trtllm-gen MLA kernel is a tuner candidate only when its cubins are local (this directory, or the "
+           "`flashinfer-cubin` package); otherwise it would download them.", kind="path"),
     EnvVar("MLA_TEST_KERNELS", "",
            "Tests only: comma-separated kernel names the per-kernel GPU tests run (default: every kernel "
            "that can run here)."),
@@ -132,6 +182,7 @@ def markdown_table() -> str:
     lines = ["| variable | default | allowed | what it does |", "|---|---|---|---|"]
     for v in VARIABLES.values():
         default = {True: "1", False: "0"}.get(v.default, v.default) if isinstance(v.default, bool) else v.default
+        default = "" if default == () else default
         lines.append(f"| `{v.name}` | {f'`{default}`' if default != '' else '(unset)'} | {v.allowed} | {v.doc} |")
     return "\n".join(lines)
 

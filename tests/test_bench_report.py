@@ -49,3 +49,56 @@ def test_compare_runs_ratios(tmp_path):
     geo = (1.1 * 1.0 * 0.5) ** (1 / 3)
     assert f"b / a: 3 cells, time ratio geomean {geo:.4f}, min 0.500, max 1.100" in proc.stdout, proc.stdout
     assert "slower  (1, 1024, 1, 'bf16'): 10.0 -> 11.0 us (1.100)" in proc.stdout
+
+
+def test_bench_candidates_dry_run_expands_configs():
+    """--candidates: 'auto' beside one runner per launch config (kernel:config), n/a where a config is not one of
+    the kernel's for the cell (the fp8 designs in bf16 cells)."""
+    proc = _run("benchmarks/bench_decode.py", "--dry-run", "--candidates", "--peers", "none", "--batches", "1",
+                "--seq-lens", "1024", "--q-lens", "1", "--kv-dtypes", "bf16,fp8", "--assume-sm", "90")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for name in ("auto", "cute_sm90:balanced pdl", "cute_sm90:balanced dequant pdl",
+                 "triton:uniform splits<=64 tile 64x64x8x2 no-pdl"):
+        assert f"  {name} " in out, out[-4000:]
+    assert "not one of cute_sm90's configs for this cell" in out
+
+
+def test_autotune_summary_compares_auto_with_the_best_fixed_candidate():
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        report = importlib.import_module("report")
+    finally:
+        sys.path.pop(0)
+    cell = dict(seq_len=1024, q_len=1, kv_dtype="bf16", num_heads=128, block_size=64)
+    rows = []
+    for batch, times in ((1, {"auto": 10.2, "cute_sm90:balanced pdl": 10.0, "triton:balanced no-pdl": 12.0}),
+                         (64, {"auto": 110.0, "cute_sm90:balanced pdl": 100.0, "triton:balanced no-pdl": 150.0})):
+        for kernel, t in times.items():
+            row = report.new_row(kernel, report.OURS, dict(cell, batch=batch), "bf16", report.OK, "")
+            row["time_us"] = t
+            rows.append(row)
+    rows.append(report.new_row("flashmla", report.PEER, dict(cell, batch=1), "bf16", report.OK, ""))
+    rows[-1]["time_us"] = 1.0
+    summary = report.autotune_summary(rows)
+    assert [(e["batch"], e["best"], round(e["ratio"], 3), e["within"]) for e in summary] == [
+        (1, "cute_sm90:balanced pdl", 1.02, True), (64, "cute_sm90:balanced pdl", 1.1, False)]
+    text = "\n".join(report.render_autotune(summary))
+    assert "1 of 2 cells within 3%" in text and "| 1.100 **!** |" in text
+
+
+def test_tune_cli_dry_run_lists_shapes_candidates_and_reasons():
+    proc = _run("-m", "mla_backend_plugin.tune", "--dry-run", "--assume-cc", "10.0", "--model",
+                "examples/tiny_deepseek/model", "--tp", "8", "--batches", "3", "--seq-lens", "3000",
+                "--kv-dtypes", "bf16,fp8", "--block-size", "16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "2 shapes on compute capability 10.0; kernels timed: flashinfer_cute_dsl, triton, flashinfer_trtllm" in out
+    assert "sm100 kv=bf16 q=bf16 out=bf16 h16 q_len=1 bs16 pair scales=none B<=4 S<=4096" in out  # 128 heads / 8
+    if "import flashinfer.mla failed" in out or "flashinfer-python is not installed" in out:
+        return  # FlashInfer's refusals past the import need an importable flashinfer (vLLM installs it)
+    assert "n/a flashinfer_trtllm: trtllm-gen needs block size 32 or 64, the cache has 16" in out
+    assert "needs q in the cache's dtype" in out  # fp8 cache with vLLM's default bf16 q

@@ -23,7 +23,8 @@ def _args(kv_dtype=torch.bfloat16, heads=128, q_len=2):
 
 
 def test_every_family_is_found_and_well_formed():
-    assert set(KERNELS) == {"cute_sm90", "triton", "xqa_sm120", "reference"}
+    assert set(KERNELS) == {"cute_sm90", "triton", "xqa_sm120", "reference", "flashinfer_cute_dsl",
+                            "flashinfer_trtllm"}
     for name, m in KERNELS.items():
         assert isinstance(m, KernelManifest) and m.name == name and m.combine in COMBINES
         assert set(m.archs) <= set(ARCHS), (name, m.archs)
@@ -36,7 +37,7 @@ def test_every_family_is_found_and_well_formed():
             assert len(set(candidates)) == len(candidates), name
             for c in candidates:
                 assert LaunchConfig.from_dict(c.as_dict()) == c  # JSON-friendly for a tuner's cache
-        if m.needs_workspace:
+        if m.plan_tile is not None:
             for heads in (16, 128):
                 tile = m.plan_tile(heads, 232_448, None)
                 assert isinstance(tile, PlanTile) and tile.rows_per_cta in (16, 32, 64, 128) and tile.block_n >= 16
@@ -45,11 +46,12 @@ def test_every_family_is_found_and_well_formed():
 def test_the_registry_reads_manifests_without_importing_toolchains():
     code = ("import sys\nfrom mla_backend_plugin.ops import KERNELS\nfrom mla_backend_plugin import compile\n"
             "names = sorted(KERNELS)\nfams = sorted(compile.families())\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'cutlass', 'vllm', 'tvm_ffi'))\n"
+            "heavy = ('triton', 'cutlass', 'vllm', 'tvm_ffi', 'flashinfer')\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
             "print(names, fams, bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == ("['cute_sm90', 'reference', 'triton', 'xqa_sm120'] "
-                           "['cute_sm90', 'triton', 'xqa_sm120'] []"), out
+    assert out.strip() == ("['cute_sm90', 'flashinfer_cute_dsl', 'flashinfer_trtllm', 'reference', 'triton', "
+                           "'xqa_sm120'] ['cute_sm90', 'triton', 'xqa_sm120'] []"), out
 
 
 def test_auto_order_names_only_declared_kernels(monkeypatch):

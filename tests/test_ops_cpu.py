@@ -693,7 +693,7 @@ def test_workspace_holds_the_plan_of_every_family_tile(heads):
     small.plan_for(args, PlanTile(16, 64), LaunchConfig())
     with pytest.raises(ValueError, match=r"workspace: a 128-row tile needs \d+ partial rows.*plan_rows="):
         small.plan_for(args, PlanTile(128, 64), LaunchConfig(split_plan="uniform"))
-    with pytest.raises(ValueError, match=r"max_splits=64 exceeds the workspace's max_splits=32"):
+    with pytest.raises(ValueError, match=r"max_splits=64 exceeds the workspace's split capacity 32"):
         small.plan_for(args, PlanTile(16, 64), LaunchConfig(max_splits=64))
     with pytest.raises(ValueError, match=r"several tiles"):
         ws.plan(1, 1)

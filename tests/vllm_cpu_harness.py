@@ -195,6 +195,42 @@ def scenario_validation_reasons() -> None:
         raise AssertionError("CUTE_MLA was selected on compute capability 8.0")
 
 
+def scenario_autotune_deployment() -> None:
+    """What the autotuner's warm-up takes from vLLM's config: graph sizes as request counts, max_model_len as the
+    context profile and block-table width, the cache and q dtypes; and the builder hands it to forward_mqa."""
+    import dataclasses
+
+    import torch
+
+    from mla_backend_plugin.vllm import compat
+    from mla_backend_plugin.vllm.backend import CuteMLADecodeMetadata, deployment_for
+
+    install_fake_gpu()
+    os.environ.pop("CUTE_MLA_TUNE_SEQ_LENS", None)
+    cfg = engine_config("--attention-backend", "CUTE_MLA", "--max-num-seqs", "32", "--kv-cache-dtype", "fp8")
+    sizes = cfg.compilation_config.cudagraph_capture_sizes
+    assert sizes, "vLLM made no CUDA-graph sizes"
+    assert compat.full_decode_graphs(cfg), cfg.compilation_config.cudagraph_mode
+    dep = deployment_for(cfg, 16, 64)
+    assert dep.batches == tuple(sorted({s for s in sizes if s <= 32})), (dep.batches, sizes)
+    assert (dep.q_len, dep.seq_lens, dep.max_blocks) == (1, (4096,), 64)
+    assert (dep.kv_dtype, dep.q_dtype, dep.out_dtype, dep.q_form, dep.scale_form) == (
+        "fp8", "bf16", "bf16", "pair", "tensor"), dep
+    eager = deployment_for(engine_config("--attention-backend", "CUTE_MLA", "--max-num-seqs", "20", "--enforce-eager",
+                                         "--dtype", "float16"), 16, 32)
+    assert eager.batches == (1, 2, 4, 8, 16) and eager.kv_dtype == eager.out_dtype == "fp16", eager
+    assert not compat.full_decode_graphs(engine_config("--attention-backend", "CUTE_MLA", "--enforce-eager"))
+    piecewise = engine_config("--attention-backend", "CUTE_MLA", "--compilation-config",
+                              '{"cudagraph_mode": "PIECEWISE"}')
+    assert not compat.full_decode_graphs(piecewise), piecewise.compilation_config.cudagraph_mode
+    os.environ["CUTE_MLA_TUNE_SEQ_LENS"] = "1000,9000"
+    assert deployment_for(cfg, 16, 64).seq_lens == (1000, 9000)
+    fields = {f.name for f in dataclasses.fields(CuteMLADecodeMetadata)}
+    assert {"workspace", "max_seq_len", "tuning"} <= fields, fields
+    assert compat.decode_max_seq_len({"max_seq_len": 77, "seq_lens_device": torch.zeros(1)}) == 77
+    assert compat.decode_max_seq_len({}) is None
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

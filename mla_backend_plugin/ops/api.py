@@ -206,6 +206,7 @@ def mla_decode(
     enable_pdl: bool | None = None,
     fp8_design: str | None = None,
     config: LaunchConfig | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
@@ -223,29 +224,49 @@ def mla_decode(
         out / lse: optional preallocated outputs ``[T, H, 512]`` and float32 ``[T, H]``.
         out_dtype: output dtype (bf16/fp16); required when q is fp8 and ``out`` is not given.
         workspace: an ``MLAWorkspace``; required for CUDA-graph capture (a cached one is used otherwise).
-        kernel: ``"auto"`` (the best verified kernel for this GPU and shape), or a kernel name from
-            ``available_kernels()``. The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
+        kernel: ``"auto"`` (the autotuner's choice for this GPU and shape when it has one, ops/autotune.py,
+            else the best verified kernel of the arch table), or a kernel name from ``available_kernels()``.
+            The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
         enable_pdl: programmatic dependent launch (SM90+); None = the kernel's default (``CUTE_MLA_PDL``).
         fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"`` or ``"dequant"``; None = ``CUTE_MLA_FP8_DESIGN``.
             Kernels without the choice ignore it.
         config: a complete ``LaunchConfig`` (one of the kernel's ``configs()``, e.g. a tuner's choice); the
-            two keywords above still override its fields.
+            two keywords above still override its fields. With ``kernel="auto"`` it applies to the arch table's
+            kernel (no tuned choice is looked up).
+        max_seq_len: the longest KV length of this call when the caller knows it on the host (eager engines):
+            the tuned choice of that length bucket. Ignored under CUDA-graph capture, where one graph serves
+            every length: there the deployment's context profile decides (``autotune.set_seq_profile``).
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
     """
+    from mla_backend_plugin.ops import autotune
     from mla_backend_plugin.ops.registry import device_capability, select_kernel
 
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype)
+    if config is not None and not isinstance(config, LaunchConfig):
+        _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if kernel == "auto":
         kernel = envs.CUTE_MLA_KERNEL
-    spec = select_kernel(args, kernel)
     cc = device_capability(args.q_nope.device)
+    tuned = autotune.lookup(args, cc, max_seq_len) if kernel == "auto" and config is None else None
+    if tuned is not None:
+        spec, config = tuned.spec, tuned.config
+    else:
+        spec = select_kernel(args, kernel)
+    if spec.needs_workspace:
+        if workspace is None:
+            workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
+        workspace.check_fits(args.batch, args.q_len, args.num_heads, args.q_nope.device)
+        if tuned is not None and spec.plan_tile is not None:
+            from mla_backend_plugin.ops.arch import device_smem_per_block
+
+            tile = spec.plan_tile(args.num_heads, device_smem_per_block(args.q_nope.device), config)
+            if workspace.refusal(args.batch, args.q_len, tile, config) is not None:  # e.g. a smaller split capacity
+                spec, config = select_kernel(args, kernel), None
     if config is None:
         config = spec.default_config(args, cc)
-    elif not isinstance(config, LaunchConfig):
-        _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if enable_pdl is not None:
         if enable_pdl and (cc is None or cc < (9, 0)):
             _fail("enable_pdl", f"PDL needs compute capability >= 9.0, device has {cc}; pass None or False")
@@ -255,9 +276,7 @@ def mla_decode(
             _fail("fp8_design", f"{fp8_design!r} is not a design; allowed: {', '.join(FP8_DESIGNS)}")
         if args.kv_dtype == FP8_DTYPE:
             config = dataclasses.replace(config, fp8_design=fp8_design)
-    if spec.needs_workspace:
-        if workspace is None:
-            workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
-        workspace.check_fits(args.batch, args.q_len, args.num_heads, args.q_nope.device)
+    if spec.needs_workspace and workspace is None:  # a static choice after a tuned one the workspace refused
+        workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
     spec.launch(args, workspace, config)
     return args.out, args.lse

@@ -18,7 +18,14 @@ The kernel contract:
 * ``combine``: who merges split-KV partials: ``"shared"`` (kernels/combine, in the layout of the config's
   split plan), ``"own"`` (the family's own kernel) or ``"none"`` (never splits);
 * ``compile_variants(arch) -> list[VariantResult]``: the ahead-of-time build of every variant for an arch,
-  with the family's SASS checks (``python -m mla_backend_plugin.compile``).
+  with the family's SASS checks (``python -m mla_backend_plugin.compile``);
+* ``scratch(cc, max_batch, max_q_len, num_heads, num_sms) -> (key, bytes) | None``: a zero-initialised device
+  buffer the family needs in every workspace made for a device where it may run (FlashInfer: its semaphores and
+  split-KV scratch); families that name the same key share one buffer (the largest asked for);
+* ``config_label(config) -> str``: how a tuner or benchmark names one of the family's configs (default
+  ``LaunchConfig.label``).
+
+A folder may declare several kernels (``MANIFESTS``, a tuple) when they share an adapter (kernels/flashinfer).
 """
 
 from __future__ import annotations
@@ -129,9 +136,11 @@ class KernelManifest:
     launch: Callable[..., None]
     default_config: Callable[..., LaunchConfig]
     configs: Callable[..., list[LaunchConfig]]
-    plan_tile: Callable[..., PlanTile] | None  # None: the family needs no split plan (no workspace)
+    plan_tile: Callable[..., PlanTile] | None  # None: the family needs no split plan
     combine: str
     compile_variants: Callable[..., list[VariantResult]] | None = None
+    scratch: Callable[..., tuple[str, int] | None] | None = None
+    config_label: Callable[[LaunchConfig], str] | None = None
 
     def __post_init__(self):
         if self.combine not in COMBINES:
@@ -139,4 +148,8 @@ class KernelManifest:
 
     @property
     def needs_workspace(self) -> bool:
-        return self.plan_tile is not None
+        return self.plan_tile is not None or self.scratch is not None
+
+    def label(self, config: LaunchConfig) -> str:
+        """``kernel:config`` as tuners, caches and benchmarks print it."""
+        return f"{self.name}:{(self.config_label or LaunchConfig.label)(config)}"

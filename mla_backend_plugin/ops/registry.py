@@ -1,12 +1,14 @@
 """The one place that maps a GPU architecture to the decode kernels that may run on it.
 
-``KERNELS`` holds every kernel family's manifest (``kernels/<family>/__init__.py`` exports ``MANIFEST``; the
-folders are found by walking ``kernels/`` on first use, so a new family is one folder plus its entry in
-``AUTO_ORDER``). ``AUTO_ORDER`` says, per compute-capability major version, which kernels ``kernel="auto"``
-tries, best first. A kernel is picked only when it supports the GPU and the call's shapes and dtypes;
-otherwise the next one is tried. On an architecture outside a kernel's ``verified_archs`` (where our GPU test
-suite has not run it), the kernel must first pass a self-check against the reference (ops/selfcheck.py); one
-that fails is skipped with a warning.
+``KERNELS`` holds every kernel family's manifest (``kernels/<family>/__init__.py`` exports ``MANIFEST``, or
+``MANIFESTS`` when one adapter serves several kernels; the folders are found by walking ``kernels/`` on first
+use, so a new family is one folder plus its entry in ``AUTO_ORDER``). ``AUTO_ORDER`` says, per
+compute-capability major version, which kernels ``kernel="auto"`` tries, best first. A kernel is picked only
+when it supports the GPU and the call's shapes and dtypes; otherwise the next one is tried. On an architecture
+outside a kernel's ``verified_archs`` (where our GPU test suite has not run it), the kernel must first pass a
+self-check against the reference (ops/selfcheck.py); one that fails is skipped with a warning. ``AUTO_ORDER``
+is the static choice: the autotuner (ops/autotune.py) replaces it per shape when it has timed the candidates
+on this GPU.
 
 Importing this module imports no kernel family: ``KERNELS`` loads the manifests (cheap ``__init__`` modules)
 the first time it is read.
@@ -33,12 +35,16 @@ KernelSpec = KernelManifest
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
 # On SM90 the CuTe kernel is faster than Triton (benchmarks/NOTES.md); xqa_sm120 is not (it runs on SM90 only for
-# testing). On SM120/121 xqa_sm120 is the kernel written for them (99 KB of shared memory, mma.sync); neither it
-# nor Triton has run on SM120 hardware, so both pass the first-use self-check before they are used there.
+# testing). On SM100/103 FlashInfer's CuTe-DSL MLA decode (kernels/flashinfer; every vLLM 0.26 install has
+# flashinfer-python) comes before our Triton fallback; it refuses what it cannot run (an fp8 cache with a 16-bit q,
+# device-tensor scales, fp16 output) and, never run here, must pass the self-check first. FlashInfer's trtllm-gen
+# kernel is a tuner candidate only (it downloads its cubins when they are not installed). On SM120/121 xqa_sm120
+# is the kernel written for them (99 KB of shared memory, mma.sync); neither it nor Triton has run on SM120
+# hardware, so both pass the first-use self-check before they are used there.
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
     9: ("cute_sm90", "triton"),
-    10: ("triton",),
+    10: ("flashinfer_cute_dsl", "triton"),
     12: ("xqa_sm120", "triton"),
 }
 
@@ -51,12 +57,13 @@ def _discover() -> dict[str, KernelManifest]:
         if not info.ispkg:
             continue
         module = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
-        manifest = getattr(module, "MANIFEST", None)
-        if manifest is None:
-            continue  # shared pieces (cute_common, combine)
-        if manifest.name in found:
-            raise RuntimeError(f"two kernel families are named {manifest.name!r}")
-        found[manifest.name] = manifest
+        manifests = getattr(module, "MANIFESTS", None)
+        if manifests is None:
+            manifests = (module.MANIFEST,) if hasattr(module, "MANIFEST") else ()  # none: cute_common, combine
+        for manifest in manifests:
+            if manifest.name in found:
+                raise RuntimeError(f"two kernel families are named {manifest.name!r}")
+            found[manifest.name] = manifest
     order = [name for names in AUTO_ORDER.values() for name in names]
     missing = sorted(set(order) - set(found))
     if missing:
@@ -95,20 +102,40 @@ def available_kernels() -> tuple[str, ...]:
     return tuple(KERNELS)
 
 
-def plan_rows_for(num_heads: int, device) -> tuple[int, ...]:
-    """The CTA row heights of every kernel that may run on ``device`` with its default tile, so that a workspace
-    sized for all of them serves ``kernel="auto"`` and any kernel asked for by name: the device major's
-    AUTO_ORDER and every family built for its arch; every family's for a device that is not a GPU."""
+def kernels_for_device(device) -> tuple[str, ...]:
+    """Every kernel that may run on ``device`` (what a workspace made for it must serve): the device major's
+    AUTO_ORDER, every family built for its arch and the autotuner's extra candidates (CUTE_MLA_CANDIDATES);
+    every kernel for a device that is not a GPU."""
     cc = device_capability(device)
-    smem = device_smem_per_block(device)
     if cc is None:
-        names = tuple(KERNELS)
-    else:
-        arch = arch_for_cc(cc)
-        names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if arch and arch.name in m.archs)
+        return tuple(KERNELS)
+    from mla_backend_plugin.ops.autotune import candidate_kernels
+
+    arch = arch_for_cc(cc)
+    names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if arch and arch.name in m.archs)
+    return tuple(dict.fromkeys(names + tuple(candidate_kernels(cc))))
+
+
+def plan_rows_for(num_heads: int, device) -> tuple[int, ...]:
+    """The CTA row heights of every kernel that may run on ``device`` (``kernels_for_device``) with its default
+    tile, so that a workspace sized for all of them serves ``kernel="auto"`` and any kernel asked for by name."""
+    smem = device_smem_per_block(device)
     rows = {KERNELS[name].plan_tile(num_heads, smem, None).rows_per_cta
-            for name in names if KERNELS[name].plan_tile is not None}
+            for name in kernels_for_device(device) if KERNELS[name].plan_tile is not None}
     return tuple(sorted(rows)) or (64,)
+
+
+def scratch_for(device, max_batch: int, max_q_len: int, num_heads: int, num_sms: int) -> dict[str, int]:
+    """key -> bytes of every family scratch buffer (``KernelManifest.scratch``) a workspace for ``device`` holds."""
+    cc = device_capability(device)
+    need: dict[str, int] = {}
+    for name in kernels_for_device(device):
+        spec = KERNELS[name]
+        asked = spec.scratch(cc, max_batch, max_q_len, num_heads, num_sms) if spec.scratch is not None else None
+        if asked is not None:
+            key, nbytes = asked
+            need[key] = max(need.get(key, 0), int(nbytes))
+    return need
 
 
 def self_check_failure(spec: KernelManifest, device: torch.device, cc: tuple[int, int] | None) -> str | None:
@@ -172,4 +199,5 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
 
 
 __all__ = ["AUTO_ORDER", "KERNELS", "KernelManifest", "KernelSpec", "LaunchConfig", "available_kernels",
-           "device_capability", "plan_rows_for", "select_kernel", "self_check_failure"]
+           "device_capability", "kernels_for_device", "plan_rows_for", "scratch_for", "select_kernel",
+           "self_check_failure"]

@@ -22,11 +22,13 @@ SELF_CHECK_ENV_VAR = "CUTE_MLA_SELF_CHECK"
 # (kernel name, device) -> None when the kernel passed, else why it failed
 _RESULTS: dict[tuple[str, str], str | None] = {}
 
-# (num_heads, q_len, block_size, kv dtype, kv scale, seq_lens): lengths not multiples of a page or tile, one
-# shorter than q_len (a padded request), and one long enough to be split.
+# (num_heads, q_len, block_size, kv dtype, kv scale, q form, seq_lens): lengths not multiples of a page or tile,
+# one shorter than q_len (a padded request), and one long enough to be split. The fp8-q case is the one FlashInfer's
+# kernels take with an fp8 cache (q in the cache's dtype); kernels that refuse a case skip it.
 _CASES = (
-    (128, 2, 64, torch.bfloat16, None, (1, 77, 300, 1500)),
-    (16, 1, 16, FP8_DTYPE, 2.0, (5, 190, 1025)),
+    (128, 2, 64, torch.bfloat16, None, "cat", (1, 77, 300, 1500)),
+    (16, 1, 16, FP8_DTYPE, 2.0, "cat", (5, 190, 1025)),
+    (128, 1, 32, FP8_DTYPE, 2.0, "fp8", (3, 130, 700)),
 )
 
 
@@ -42,10 +44,12 @@ def run_self_check(spec, device: torch.device) -> str | None:
     from mla_backend_plugin.testing import compare_decode, make_decode_inputs
 
     cc = device_capability(device)
-    for i, (num_heads, q_len, block_size, kv_dtype, kv_scale, seq_lens) in enumerate(_CASES):
-        inputs = make_decode_inputs(len(seq_lens), list(seq_lens), q_len, num_heads, block_size, kv_dtype, "cat",
-                                    device, seed=1234 + i, kv_scale=kv_scale, poison="nan")
-        args = prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, **inputs.scale_kwargs())
+    for i, (num_heads, q_len, block_size, kv_dtype, kv_scale, q_form, seq_lens) in enumerate(_CASES):
+        inputs = make_decode_inputs(len(seq_lens), list(seq_lens), q_len, num_heads, block_size, kv_dtype, q_form,
+                                    device, seed=1234 + i, kv_scale=kv_scale, poison="nan",
+                                    q_scale=0.5 if q_form == "fp8" else None)
+        args = prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype,
+                            **inputs.scale_kwargs())
         if spec.unsupported_reason(args, cc) is not None:
             continue  # e.g. fp8 on a GPU without fp8: the registry never picks the kernel for such calls
         args.out.fill_(float("nan"))
@@ -61,7 +65,8 @@ def run_self_check(spec, device: torch.device) -> str | None:
         ref_out, ref_lse = inputs.reference()
         result = compare_decode(args.out, args.lse, ref_out, ref_lse, kv_dtype)
         if not result.ok:
-            label = f"{num_heads} heads, q_len {q_len}, {str(kv_dtype).replace('torch.', '')} KV"
+            label = (f"{num_heads} heads, q_len {q_len}, {str(kv_dtype).replace('torch.', '')} KV"
+                     + (", fp8 q" if q_form == "fp8" else ""))
             return f"{label}: {result.problems[0]}"
     return None
 

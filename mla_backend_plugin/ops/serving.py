@@ -2,15 +2,19 @@
 
 What every engine's MLA decode backend needs from us, apart from the engine's own classes: the supported
 settings and the words that refuse the others, the workspace sized from the engine's limits (allocated once,
-before CUDA-graph capture), the cache and scale forms the kernels take, and the decode call that returns views
-of the workspace's output buffers (no allocation per step).
+before CUDA-graph capture), the cache and scale forms the kernels take, the decode call that returns views
+of the workspace's output buffers (no allocation per step), and the autotuner's warm-up (``DeploymentTuning``:
+the engine's decode shapes, prepared on the first decode call not being captured).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mla_backend_plugin import BACKEND_NAME, envs
+from mla_backend_plugin.ops import autotune
 from mla_backend_plugin.ops.api import mla_decode
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
@@ -23,7 +27,9 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_NUM_HEADS,
     dtype_names,
 )
-from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace
+
+logger = logging.getLogger("mla_backend_plugin")
 
 MIN_COMPUTE_CAPABILITY = (9, 0)
 # KV-cache dtype names as engines spell them ("auto" = the model dtype)
@@ -94,8 +100,9 @@ def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | N
     """The workspace of one engine: split-KV partials for up to ``max_num_seqs`` requests of the decode q_len,
     and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture."""
     check_num_heads(num_heads)
+    # room for every split cap a tuned launch config may ask for (the default cap stays the workspace's)
     return MLAWorkspace(device, max_batch=max_num_seqs, max_q_len=max_decode_q_len(num_speculative_tokens),
-                        num_heads=num_heads, out_dtype=out_dtype)
+                        num_heads=num_heads, out_dtype=out_dtype, split_capacity=SPLIT_CAPACITY)
 
 
 def kernel_cache(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
@@ -111,6 +118,60 @@ def dequant_scale(scale) -> torch.Tensor | float:
     return 1.0 if scale is None else scale
 
 
+def make_deployment(*, num_heads: int, max_num_seqs: int, num_speculative_tokens: int | None,
+                    model_dtype: torch.dtype, kv_cache_dtype: str, block_size: int, max_model_len: int,
+                    capture_sizes=None, fp8_query: bool = False, tensor_scales: bool = True) -> autotune.Deployment:
+    """The decode shapes an engine runs, for the autotuner: its CUDA-graph sizes (tokens; None = powers of two up
+    to ``max_num_seqs``) as request counts, and its context profile (``CUTE_MLA_TUNE_SEQ_LENS``, else
+    ``max_model_len``). ``tensor_scales``: the engine passes fp8 scales as device tensors (vLLM does)."""
+    q_len = max_decode_q_len(num_speculative_tokens)
+    model = autotune.DTYPE_NAMES[model_dtype]
+    kv = "fp8" if kv_cache_dtype.startswith("fp8") else model
+    q = "fp8" if kv == "fp8" and fp8_query else model
+    if capture_sizes:
+        batches = sorted({t // q_len for t in capture_sizes if q_len <= t and t // q_len <= max_num_seqs})
+    else:
+        batches = [1 << i for i in range(max(1, max_num_seqs).bit_length()) if 1 << i <= max_num_seqs]
+    return autotune.Deployment(
+        num_heads=num_heads, q_len=q_len, kv_dtype=kv, q_dtype=q, out_dtype=model, block_size=block_size,
+        batches=tuple(batches or [1]), seq_lens=tuple(envs.CUTE_MLA_TUNE_SEQ_LENS or (max_model_len,)),
+        q_form="cat" if q == "fp8" else "pair",
+        scale_form="none" if kv != "fp8" else ("tensor" if tensor_scales else "float"),
+        max_blocks=-(-max_model_len // block_size))
+
+
+class DeploymentTuning:
+    """The autotuner's part of an engine's warm-up: ``run_once`` (on every decode call; it acts once) sets the
+    deployment's context profile, installs the tuning cache's results for its shapes and, with
+    ``CUTE_MLA_AUTOTUNE=1``, times the missing ones within ``CUTE_MLA_AUTOTUNE_BUDGET_S`` - on the first decode
+    call that is not being captured into a CUDA graph. vLLM makes that call eagerly before it captures any graph
+    (its warm-up runs of each size), so every graph captures a tuned or cached choice; in eager mode it is the
+    first decode step."""
+
+    def __init__(self, deployment: autotune.Deployment, *, tune: bool | None = None, budget_s: float | None = None,
+                 host_lengths: bool = True):
+        self.deployment = deployment
+        # whether decode calls may pick by the step's longest length (eager engines); False with full CUDA
+        # graphs, so that the engine's eager warm-up of a graph size runs (and compiles) what its capture runs
+        self.host_lengths = host_lengths
+        self.tune = envs.CUTE_MLA_AUTOTUNE if tune is None else tune
+        self.budget_s = envs.CUTE_MLA_AUTOTUNE_BUDGET_S if budget_s is None else budget_s
+        self.report: dict | None = None
+
+    def run_once(self, device) -> None:
+        if self.report is not None:
+            return
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # timing needs synchronisation; the next eager call does it
+        self.report = {}
+        try:
+            self.report = autotune.prepare_deployment(self.deployment, device, tune=self.tune, budget_s=self.budget_s)
+        except Exception as e:  # noqa: BLE001 - tuning must never take the engine down: the static table serves
+            logger.warning("mla_decode: autotune: warm-up tuning failed, the static kernel table is used: %s: %s",
+                           type(e).__name__, e)
+
+
 class DecodeRunner:
     """One layer's decode: which kernel (``CUTE_MLA_KERNEL``, read once), the cache dtype, the softmax scale;
     ``decode`` writes into the workspace's output buffers and returns views of them."""
@@ -122,7 +183,14 @@ class DecodeRunner:
         self.kernel = envs.CUTE_MLA_KERNEL
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               workspace: MLAWorkspace, *, q_scale=None, kv_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+               workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
+               tuning: DeploymentTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``max_seq_len``: the step's longest KV length when the engine knows it on the host (picks the tuned
+        choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook."""
+        if tuning is not None:
+            tuning.run_once(workspace.device)
+            if not tuning.host_lengths:
+                max_seq_len = None
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         num_tokens = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
         out, lse = workspace.output_views(num_tokens)
@@ -130,5 +198,5 @@ class DecodeRunner:
                    softmax_scale=self.softmax_scale,
                    q_scale=dequant_scale(q_scale) if q_is_fp8 else None,
                    kv_scale=dequant_scale(kv_scale) if self.is_fp8_kv_cache else None,
-                   out=out, lse=lse, workspace=workspace, kernel=self.kernel)
+                   out=out, lse=lse, workspace=workspace, kernel=self.kernel, max_seq_len=max_seq_len)
         return out, lse

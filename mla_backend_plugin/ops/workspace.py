@@ -37,6 +37,9 @@ from mla_backend_plugin.ops.constants import (
 # SM's shared memory, so one CTA is resident per SM (measured against 2 and 4: benchmarks/NOTES.md, Triton v3).
 TARGET_CTAS_PER_SM = 1
 MAX_SPLITS = 32
+# The most splits per request any plan may use (LaunchConfig.max_splits <= 64: the CuTe schedule packs
+# 128 x max_splits into 16 bits).
+SPLIT_CAPACITY = 64
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
 # than the parallelism gains.
 MIN_CHUNK_TOKENS = 128
@@ -224,8 +227,10 @@ class MLAWorkspace:
         max_q_len: the largest q_len (1..4) a call will pass.
         num_heads: query heads per rank (16, 32, 64 or 128).
         num_sms: streaming multiprocessors to plan for; read from the device when None.
-        max_splits: cap on split-KV partitions per request (a launch config may ask for fewer, not more).
+        max_splits: default cap on split-KV partitions per request (what a config with ``max_splits=None`` gets).
         min_chunk: default smallest chunk (tokens) of a split.
+        split_capacity: the largest ``max_splits`` a launch config may ask for (the buffers are sized for it);
+            default ``max_splits``. The autotuner's candidates go up to 64 (``SPLIT_CAPACITY``).
         plan_rows: CTA row heights (``PlanTile.rows_per_cta``) of the kernels this workspace serves; the
             buffers hold the worst plan of any of them. Default: every kernel that may run on ``device``
             (``registry.plan_rows_for``).
@@ -233,20 +238,27 @@ class MLAWorkspace:
         out_dtype: when given, the workspace also owns output buffers ``[max_batch * max_q_len, heads, 512]``
             (that dtype) and ``[max_batch * max_q_len, heads]`` (float32 LSE), so a caller such as the vLLM
             impl can return views of them instead of allocating per call.
+
+    It also owns, zeroed once here, the scratch buffer of every family that may run on ``device`` and declares
+    one (``KernelManifest.scratch``, e.g. FlashInfer's semaphores): ``scratch_for(key)``.
     """
 
     def __init__(self, device, max_batch: int, max_q_len: int = 1, num_heads: int = 128,
                  num_sms: int | None = None, max_splits: int = MAX_SPLITS,
                  min_chunk: int = MIN_CHUNK_TOKENS, rows_per_cta: int | None = None,
-                 out_dtype: torch.dtype | None = None, plan_rows: tuple[int, ...] | None = None):
+                 out_dtype: torch.dtype | None = None, plan_rows: tuple[int, ...] | None = None,
+                 split_capacity: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_q_len not in SUPPORTED_Q_LENS:
             raise ValueError(f"max_q_len must be one of {SUPPORTED_Q_LENS}, got {max_q_len}")
         if num_heads not in SUPPORTED_NUM_HEADS:
             raise ValueError(f"num_heads must be one of {SUPPORTED_NUM_HEADS}, got {num_heads}")
-        if not 1 <= max_splits <= 64:
-            raise ValueError(f"max_splits must be in 1..64, got {max_splits}")
+        if not 1 <= max_splits <= SPLIT_CAPACITY:
+            raise ValueError(f"max_splits must be in 1..{SPLIT_CAPACITY}, got {max_splits}")
+        split_capacity = max_splits if split_capacity is None else int(split_capacity)
+        if not max_splits <= split_capacity <= SPLIT_CAPACITY:
+            raise ValueError(f"split_capacity must be in max_splits..{SPLIT_CAPACITY}, got {split_capacity}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # where the buffers will land
@@ -255,6 +267,7 @@ class MLAWorkspace:
         self.max_q_len = int(max_q_len)
         self.num_heads = int(num_heads)
         self.max_splits = int(max_splits)
+        self.split_capacity = split_capacity
         self.min_chunk = int(min_chunk)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -277,10 +290,11 @@ class MLAWorkspace:
         for rows_per in self.plan_rows:
             for q_len in range(1, self.max_q_len + 1):
                 for batch in range(1, self.max_batch + 1):
-                    plan = self.plan(batch, q_len, rows_per_cta=rows_per)
+                    # the plans grow with max_splits: sized for the largest a config may ask for
+                    plan = self.plan(batch, q_len, rows_per_cta=rows_per, max_splits=split_capacity)
                     if plan.num_splits > 1:
                         worst_rows = max(worst_rows, batch * q_len * num_heads * plan.num_splits)
-                    bal = self.plan(batch, q_len, balanced=True, rows_per_cta=rows_per)
+                    bal = self.plan(batch, q_len, balanced=True, rows_per_cta=rows_per, max_splits=split_capacity)
                     worst_balanced = max(worst_balanced, bal.max_slots * q_len * num_heads)
                     worst_index = max(worst_index, 1 + 3 * bal.max_split_requests)
         self._plans.clear()  # the sizing visited every batch size; calls plan only the few they use
@@ -296,6 +310,11 @@ class MLAWorkspace:
         # size this workspace serves ever splits.
         self.partial_out = torch.empty(max(worst_rows, 1), KV_LORA_RANK, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(max(worst_rows, 1), dtype=torch.float32, device=self.device)
+        from mla_backend_plugin.ops.registry import scratch_for
+
+        self.scratch = {key: torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                        for key, nbytes in scratch_for(self.device, self.max_batch, self.max_q_len, num_heads,
+                                                       self.num_sms).items()}
         self.out_buffer = self.lse_buffer = None
         if out_dtype is not None:
             max_tokens = self.max_batch * self.max_q_len
@@ -333,23 +352,39 @@ class MLAWorkspace:
             self._plans[key] = plan
         return plan
 
+    def refusal(self, batch: int, q_len: int, tile, config) -> str | None:
+        """None when a kernel with ``tile`` (PlanTile) can run ``batch`` x ``q_len`` under ``config``
+        (LaunchConfig) in this workspace's buffers, else why not (no allocation, no device work)."""
+        if config.max_splits is not None and config.max_splits > self.split_capacity:
+            return (f"config: max_splits={config.max_splits} exceeds the workspace's split capacity "
+                    f"{self.split_capacity}")
+        plan = self.plan(batch, q_len, config.balanced, tile.rows_per_cta, config.max_splits, config.min_chunk)
+        rows = q_len * self.num_heads
+        need = (plan.max_slots * rows if plan.balanced else
+                (batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
+        if need > self.partial_out.shape[0] or (plan.balanced and
+                                               1 + 3 * plan.max_split_requests > self.split_index.numel()):
+            return (f"workspace: a {tile.rows_per_cta}-row tile needs {need} partial rows; this workspace holds "
+                    f"{self.partial_out.shape[0]} (made for tiles {self.plan_rows}: pass plan_rows= including "
+                    f"{tile.rows_per_cta})")
+        return None
+
     def plan_for(self, args, tile, config) -> SplitPlan:
         """The plan a kernel with ``tile`` (PlanTile) runs ``args`` on under ``config`` (LaunchConfig), after
         checking the buffers hold it; a config asking for more than the workspace was made for is refused."""
-        if config.max_splits is not None and config.max_splits > self.max_splits:
-            raise ValueError(f"mla_decode: config: max_splits={config.max_splits} exceeds the workspace's "
-                             f"max_splits={self.max_splits}")
-        plan = self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
+        why = self.refusal(args.batch, args.q_len, tile, config)
+        if why is not None:
+            raise ValueError(f"mla_decode: {why}")
+        return self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
                          config.min_chunk)
-        rows = args.q_len * args.num_heads
-        need = (plan.max_slots * rows if plan.balanced else
-                (args.batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
-        if need > self.partial_out.shape[0] or (plan.balanced and
-                                               1 + 3 * plan.max_split_requests > self.split_index.numel()):
-            raise ValueError(f"mla_decode: workspace: a {tile.rows_per_cta}-row tile needs {need} partial rows; "
-                             f"this workspace holds {self.partial_out.shape[0]} (made for tiles "
-                             f"{self.plan_rows}: pass plan_rows= including {tile.rows_per_cta})")
-        return plan
+
+    def scratch_for(self, key: str) -> torch.Tensor:
+        """The zero-initialised scratch buffer (uint8) a family declared under ``key``."""
+        buf = self.scratch.get(key)
+        if buf is None:
+            raise ValueError(f"mla_decode: workspace: no {key!r} scratch in this workspace (made for "
+                             f"{self.device}; families declare it through KernelManifest.scratch)")
+        return buf
 
     def check_fits(self, batch: int, q_len: int, num_heads: int, device: torch.device) -> None:
         if device.type == "cuda" and device.index is None:
@@ -365,7 +400,8 @@ class MLAWorkspace:
 
     @property
     def nbytes(self) -> int:
-        owned = [self.partial_out, self.partial_lse, self.split_index, self.out_buffer, self.lse_buffer]
+        owned = [self.partial_out, self.partial_lse, self.split_index, self.out_buffer, self.lse_buffer,
+                 *self.scratch.values()]
         return sum(t.numel() * t.element_size() for t in owned if t is not None)
 
     def __repr__(self) -> str:
@@ -392,6 +428,8 @@ def default_workspace(device: torch.device, batch: int, q_len: int, num_heads: i
             "mla_decode: no workspace large enough for this call was made before CUDA-graph capture; "
             "pass workspace=MLAWorkspace(device, max_batch, max_q_len, num_heads) made outside capture")
     max_batch = max(batch, ws.max_batch if ws else 0)
-    ws = MLAWorkspace(device, max_batch=max_batch, max_q_len=MAX_Q_LEN, num_heads=num_heads)
+    # with room for every split cap a tuned config may ask for
+    ws = MLAWorkspace(device, max_batch=max_batch, max_q_len=MAX_Q_LEN, num_heads=num_heads,
+                      split_capacity=SPLIT_CAPACITY)
     _DEFAULT_WORKSPACES[key] = ws
     return ws

@@ -231,6 +231,7 @@ def make_decode_inputs(
     softmax_scale: float = SOFTMAX_SCALE,
     poison: str | None = "nan",
     kv_copies: int = 1,
+    share_pages: bool = False,
 ) -> DecodeInputs:
     """Random decode inputs (see the module docstring for what makes them adversarial).
 
@@ -247,6 +248,9 @@ def make_decode_inputs(
             pages and garbage columns.
         poison: what unread KV slots hold: ``"nan"``, ``"inf"``, ``"finite"`` or None (random values).
         kv_copies: identical copies of the cache (``DecodeInputs.kv_caches``).
+        share_pages: with ``num_blocks`` smaller than the pages the lengths need, requests share physical pages
+            of a pool of ``num_blocks`` (assigned in a random order, cycling): timing inputs for batches whose
+            KV would not fit (the tuner's). Needs ``poison=None`` (a shared page has no unread slots).
     """
     device = torch.device(device)
     if len(seq_lens) != batch:
@@ -284,14 +288,21 @@ def make_decode_inputs(
     total_pages = sum(pages_needed)
     if num_blocks is None:
         num_blocks = total_pages + max(2, total_pages // 8) + rng.randint(0, 3)
-    if num_blocks < total_pages + 1:
+    shared = share_pages and num_blocks < total_pages + 1
+    if shared and poison is not None:
+        raise ValueError("share_pages needs poison=None: pages shared by requests have no unread slots")
+    if num_blocks < total_pages + 1 and not shared:
         raise ValueError(f"num_blocks={num_blocks} leaves no spare page for {total_pages} used pages")
     width = max_blocks if max_blocks is not None else _cdiv(max(pages_needed + [1]) + 2, 16) * 16
     if max(pages_needed + [0]) > width:
         raise ValueError(f"a request needs {max(pages_needed)} pages but the block table has {width} columns")
     perm = torch.randperm(num_blocks, generator=cpu_gen)
-    used = perm[:total_pages]
-    spare = perm[total_pages:]
+    if shared:
+        used = perm[torch.arange(total_pages) % num_blocks]
+        spare = perm
+    else:
+        used = perm[:total_pages]
+        spare = perm[total_pages:]
     bt = spare[torch.randint(0, spare.numel(), (batch, width), generator=cpu_gen)]  # garbage everywhere first
     start = 0
     for b, n in enumerate(pages_needed):

@@ -23,6 +23,8 @@ from mla_backend_plugin.vllm import compat  # every vLLM class this module build
 @dataclasses.dataclass
 class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     workspace: MLAWorkspace | None = None
+    max_seq_len: int | None = None  # host-known longest length of the step (the tuned choice's bucket, eager)
+    tuning: serving.DeploymentTuning | None = None
 
 
 @dataclasses.dataclass
@@ -49,11 +51,32 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             device, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             num_heads=self.num_heads, out_dtype=vllm_config.model_config.dtype)
+        # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
+        # CUTE_MLA_AUTOTUNE=1 tuned) on the first eager decode call, which vLLM makes before capturing graphs.
+        # With full decode graphs the choice must not follow the step's lengths: vLLM's eager warm-up of each
+        # graph size then compiles exactly what the capture runs.
+        self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.num_heads, kv_cache_spec.block_size),
+                                               host_lengths=not compat.full_decode_graphs(vllm_config))
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
-                                     dcp_tot_seq_lens=compat.dcp_tot_seq_lens(kwargs), workspace=self.workspace)
+                                     dcp_tot_seq_lens=compat.dcp_tot_seq_lens(kwargs), workspace=self.workspace,
+                                     max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning)
+
+
+def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
+    """The autotuner's view of this engine: its full-CUDA-graph batch sizes (without full decode graphs: powers of
+    two up to max_num_seqs), max_model_len, dtypes, speculative q_len and kernel block size."""
+    spec = vllm_config.speculative_config
+    capture_sizes = (vllm_config.compilation_config.cudagraph_capture_sizes
+                     if compat.full_decode_graphs(vllm_config) else None)
+    return serving.make_deployment(
+        num_heads=num_heads, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        model_dtype=vllm_config.model_config.dtype, kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+        block_size=block_size, max_model_len=vllm_config.model_config.max_model_len, capture_sizes=capture_sizes,
+        fp8_query=envs.CUTE_MLA_FP8_QUERY)
 
 
 class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
@@ -81,7 +104,8 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         assert decode is not None and decode.workspace is not None
         # vLLM's scales are dequantisation scales (real = stored * scale), as mla_decode defines them.
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
-                                  q_scale=layer._q_scale, kv_scale=layer._k_scale)
+                                  q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
+                                  tuning=decode.tuning)
 
 
 class CuteMLABackend(compat.MLACommonBackend):

@@ -2,7 +2,7 @@
 
 * ``MLACommon*`` live in ``vllm.model_executor.layers.attention.mla_attention`` throughout 0.26 .. 0.33.
 * ``MLACommonMetadataBuilder._build_decode`` gained ``max_query_len`` in 0.32; vLLM calls it with keywords
-  only, so the override takes ``**kwargs`` and reads what it needs.
+  only, so the override takes ``**kwargs`` and reads what it needs (``max_seq_len``, ``dcp_tot_seq_lens_device``).
 * ``AttentionBackend.get_supported_kernel_block_sizes`` gained an optional ``kv_cache_spec`` in 0.32.
 * ``AttentionBackend.validate_configuration`` grows keyword arguments over releases (``use_dcp``, ...).
 * ``AttentionBackendEnum`` is closed in 0.26 .. 0.31; 0.32 added ``register`` for named out-of-tree backends.
@@ -50,6 +50,20 @@ def check_vllm_version() -> str | None:
 def dcp_tot_seq_lens(build_decode_kwargs: dict):
     """The total (all-rank) lengths ``_build_decode`` receives under decode context parallelism, if any."""
     return build_decode_kwargs.get("dcp_tot_seq_lens_device")
+
+
+def decode_max_seq_len(build_decode_kwargs: dict) -> int | None:
+    """The step's longest KV length (a host int) ``_build_decode`` receives (0.26 .. 0.33)."""
+    value = build_decode_kwargs.get("max_seq_len")
+    return int(value) if value is not None else None
+
+
+def full_decode_graphs(vllm_config) -> bool:
+    """Whether decode steps replay full CUDA graphs (one per batch size; ``cudagraph_mode`` FULL for decode)."""
+    if vllm_config.model_config.enforce_eager:
+        return False
+    decode_mode = getattr(vllm_config.compilation_config.cudagraph_mode, "decode_mode", None)
+    return decode_mode is not None and decode_mode().name == "FULL"
 
 
 def has_named_backends(enum_cls) -> bool:

@@ -118,6 +118,21 @@ def configs(args, cc) -> list[LaunchConfig]:
     return out
 
 
+def sweep_configs(full: bool = False) -> list[LaunchConfig]:
+    """A wider tile sweep than ``configs()`` for ``python -m mla_backend_plugin.tune --triton-tiles quick|full``
+    (what benchmarks/tune_triton.py swept before the autotuner): block_m x block_n x warps x stages on the
+    balanced plan. Tiles that do not fit the GPU fail to launch and are reported as such."""
+    import itertools
+
+    if full:
+        grid = itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3))
+    else:
+        grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (2,))
+    # 64 rows x 64 keys on one warpgroup: a 64 x 512 fp32 accumulator per 128 threads, certain to spill
+    return [LaunchConfig(split_plan="balanced", enable_pdl=False, tile=(m, n, w, st))
+            for m, n, w, st in grid if not (m == 64 and n == 64 and w == 4)]
+
+
 def plan_tile(num_heads: int, smem_per_block: int | None, config: LaunchConfig | None) -> PlanTile:
     cfg = TritonDecodeConfig(*config.tile) if config is not None and config.tile else \
         config_for(num_heads, smem_per_block)

@@ -1,0 +1,178 @@
+"""The FlashInfer adapters (kernels/flashinfer) without a GPU: what they refuse and why, the scratch they declare,
+and how one of our calls maps onto ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` - with FlashInfer's
+module faked in sys.modules (the real one needs a Blackwell GPU to run), checked against the real signature
+when flashinfer-python is importable."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from mla_backend_plugin.kernels.flashinfer import MANIFESTS
+from mla_backend_plugin.kernels.flashinfer import launch as fi
+from mla_backend_plugin.ops import LaunchConfig, prepare_args, registry
+from mla_backend_plugin.testing import make_decode_inputs
+
+B200 = (10, 0)
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def importable(monkeypatch):
+    monkeypatch.setattr(fi, "import_failure", lambda: None)
+
+
+def _args(q_form="cat", kv_dtype=torch.bfloat16, block_size=64, q_len=2, heads=16, tensor_scales=False, **kw):
+    inputs = make_decode_inputs(3, [70, 300, 5], q_len, heads, block_size, kv_dtype, q_form, "cpu", 0, **kw)
+    args = prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype,
+                        **inputs.scale_kwargs(as_tensor=tensor_scales))
+    return args, inputs
+
+
+def test_manifests_are_registered_unverified_and_plan_nothing():
+    names = [m.name for m in MANIFESTS]
+    assert names == ["flashinfer_cute_dsl", "flashinfer_trtllm"]
+    for m in MANIFESTS:
+        assert registry.KERNELS[m.name] is m
+        assert m.verified_archs == frozenset() and m.plan_tile is None and m.needs_workspace and m.archs == ()
+    assert registry.AUTO_ORDER[10][0] == "flashinfer_cute_dsl" and "flashinfer_trtllm" not in registry.AUTO_ORDER[10]
+
+
+def test_refusals_name_the_reason(importable, monkeypatch, tmp_path):
+    cute, trt = fi.unsupported_reason_cute_dsl, fi.unsupported_reason_trtllm
+    bf16, _ = _args()
+    assert cute(bf16, None) == "needs a CUDA device"
+    assert "runs on SM100/SM103 (B200, GB200, B300), device has compute capability 9.0" in cute(bf16, (9, 0))
+    assert cute(bf16, B200) is None and cute(bf16, (10, 3)) is None
+    fp16, _ = _args(kv_dtype=torch.float16)
+    assert cute(fp16, B200) == "writes bf16 output only, out is float16"
+    mixed, _ = _args(kv_dtype=FP8, kv_scale=2.0)  # bf16 q on an fp8 cache
+    assert "needs q in the cache's dtype (q is bfloat16, cache float8_e4m3fn)" in cute(mixed, B200)
+    fp8, _ = _args(q_form="fp8", kv_dtype=FP8, kv_scale=2.0, q_scale=0.5)
+    assert cute(fp8, B200) is None
+    fp8_tensor, _ = _args(q_form="fp8", kv_dtype=FP8, kv_scale=2.0, q_scale=0.5, tensor_scales=True)
+    assert "takes its scales as host floats" in cute(fp8_tensor, B200)
+    small_blocks, _ = _args(block_size=16)
+    assert cute(small_blocks, B200) is None
+    monkeypatch.setattr(fi.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(tmp_path))  # empty: the cubins would be downloaded
+    assert trt(small_blocks, B200) == "trtllm-gen needs block size 32 or 64, the cache has 16"
+    assert "trtllm-gen's cubins are not installed" in trt(bf16, B200)
+    (tmp_path / "fmha.cubin").write_bytes(b"x")
+    assert trt(bf16, B200) is None
+    monkeypatch.setattr(fi, "import_failure", lambda: "flashinfer-python is not installed")
+    assert cute(bf16, B200) == "flashinfer-python is not installed"
+
+
+def test_block_table_must_cover_multiples_of_128_tokens(importable):
+    args, inputs = _args(block_size=16)  # 16 columns of 16 tokens: 256 tokens
+    narrow = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table[:, :12].contiguous(), inputs.seq_lens,
+                          softmax_scale=0.1)  # 12 x 16 = 192 tokens
+    assert fi.unsupported_reason_cute_dsl(args, B200) is None
+    assert "needs a block table covering a multiple of 128 tokens; it has 12 columns of 16-token blocks" in \
+        fi.unsupported_reason_cute_dsl(narrow, B200)
+
+
+def test_scratch_is_declared_only_where_flashinfer_runs(monkeypatch):
+    monkeypatch.setattr(fi.importlib.util, "find_spec", lambda name: object())
+    assert fi.scratch((9, 0), 8, 2, 128, 132) is None and fi.scratch(None, 8, 2, 128, 132) is None
+    key, nbytes = fi.scratch(B200, 8, 2, 128, 148)
+    assert key == "flashinfer" and nbytes == fi.SHARED_BYTES + 8 * 2 * 128 * 576 * 2
+    monkeypatch.setattr(fi.importlib.util, "find_spec", lambda name: None)
+    assert fi.scratch(B200, 8, 2, 128, 148) is None
+
+
+class _Workspace:
+    def __init__(self, nbytes):
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def scratch_for(self, key):
+        assert key == "flashinfer"
+        return self.buf
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """``flashinfer.mla`` replaced by a recorder that writes out = 1 and lse = 1 (as its kernels would write)."""
+    calls = []
+
+    def trtllm_batch_decode_with_kv_cache_mla(**kwargs):
+        calls.append(kwargs)
+        kwargs["out"].fill_(1.0)
+        kwargs["lse"].fill_(1.0)
+        return kwargs["out"], kwargs["lse"]
+
+    mla = types.ModuleType("flashinfer.mla")
+    mla.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
+    pkg = types.ModuleType("flashinfer")
+    pkg.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setattr(fi, "SHARED_BYTES", 1 << 20)  # small scratch on the CPU
+    monkeypatch.setattr(fi, "COUNTER_BYTES", 1 << 16)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["cute-dsl", "trtllm-gen"])
+def test_argument_mapping_of_a_joined_q(fake_flashinfer, backend):
+    args, inputs = _args(q_form="cat")
+    ws = _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2)
+    launch = fi.launch_cute_dsl if backend == "cute-dsl" else fi.launch_trtllm
+    launch(args, ws, LaunchConfig(enable_pdl=False))
+    (kw,) = fake_flashinfer
+    assert kw["backend"] == backend  # never "auto": it would instantiate trtllm-gen and may download cubins
+    assert kw.get("cute_dsl_impl") == ("monolithic" if backend == "cute-dsl" else None)
+    q = kw["query"]
+    assert q.shape == (3, 2, 16, 576) and q.data_ptr() == inputs.q.data_ptr()  # a view: no copy
+    assert torch.equal(q.reshape(6, 16, 576), inputs.q)
+    assert kw["kv_cache"] is args.kv_cache and kw["block_tables"] is args.block_table
+    assert kw["seq_lens"] is args.seq_lens
+    assert kw["max_seq_len"] == args.block_table.shape[1] * 64  # from shapes: the same in every graph replay
+    assert (kw["qk_nope_head_dim"], kw["kv_lora_rank"], kw["qk_rope_head_dim"]) == (128, 512, 64)
+    assert kw["out"].shape == (3, 2, 16, 512) and kw["out"].data_ptr() == args.out.data_ptr()
+    assert kw["lse"] is args.lse and kw["return_lse"] is True and kw["enable_pdl"] is False
+    assert kw["bmm1_scale"] == pytest.approx(args.softmax_scale) and kw["bmm2_scale"] == 1.0
+    region = kw["workspace_buffer"]
+    assert region.dtype == torch.int8
+    start = fi.COUNTER_BYTES if backend == "cute-dsl" else 0  # cute-dsl never touches trtllm-gen's semaphores
+    assert region.data_ptr() == ws.buf.data_ptr() + start and region.numel() == fi.SHARED_BYTES - start
+    # trtllm-gen's LSE is base 2; mla_decode returns natural log
+    expected = math.log(2.0) if backend == "trtllm-gen" else 1.0
+    assert torch.allclose(args.lse, torch.full_like(args.lse, expected))
+
+
+def test_argument_mapping_of_a_pair_and_fp8_scales(fake_flashinfer):
+    args, inputs = _args(q_form="pair")
+    ws = _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2)
+    fi.launch_cute_dsl(args, ws, LaunchConfig(enable_pdl=True))
+    q = fake_flashinfer[-1]["query"]
+    assert q.data_ptr() == ws.buf.data_ptr() + fi.SHARED_BYTES  # joined in the staging area
+    assert torch.equal(q.reshape(6, 16, 576), torch.cat([inputs.q_nope, inputs.q_pe], dim=-1))
+    assert fake_flashinfer[-1]["enable_pdl"] is True
+    with pytest.raises(ValueError, match="FlashInfer's q staging holds 100 bytes"):
+        fi.launch_cute_dsl(args, _Workspace(fi.SHARED_BYTES + 100), LaunchConfig())
+    fp8, _ = _args(q_form="fp8", kv_dtype=FP8, kv_scale=2.0, q_scale=0.5, q_len=1)
+    fi.launch_trtllm(fp8, ws, LaunchConfig())
+    kw = fake_flashinfer[-1]
+    assert kw["bmm1_scale"] == pytest.approx(fp8.softmax_scale * 0.5 * 2.0) and kw["bmm2_scale"] == 2.0
+    assert kw["query"].dtype == FP8 and kw["query"].shape == (3, 1, 16, 576)
+
+
+def test_keywords_match_flashinfers_signature(fake_flashinfer, monkeypatch):
+    """Every keyword the adapter passes is a parameter of the installed FlashInfer's function."""
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    monkeypatch.delitem(sys.modules, "flashinfer.mla")
+    try:
+        from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla as real
+    except Exception as e:  # noqa: BLE001 - not installed, or it needs a GPU to import
+        pytest.skip(f"flashinfer.mla not importable here: {type(e).__name__}")
+    args, _ = _args(q_form="pair")
+    params = set(inspect.signature(real).parameters)
+    for backend in ("cute-dsl", "trtllm-gen"):
+        kw = fi.call_kwargs(args, _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2), backend, LaunchConfig())
+        assert set(kw) <= params, set(kw) - params
