@@ -18,7 +18,9 @@ The kernel contract:
 * ``combine``: who merges split-KV partials: ``"shared"`` (kernels/combine, in the layout of the config's
   split plan), ``"own"`` (the family's own kernel) or ``"none"`` (never splits);
 * ``compile_variants(arch) -> list[VariantResult]``: the ahead-of-time build of every variant for an arch,
-  with the family's SASS checks (``python -m mla_backend_plugin.compile``).
+  with the family's SASS checks (``python -m mla_backend_plugin.compile``);
+* ``supports_row_kv_lens``: the family honours ``args.row_kv_lens`` (per-row key counts, decode context
+  parallelism); a family that does not declare it is refused such calls by the registry, never handed them.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class KernelManifest:
     plan_tile: Callable[..., PlanTile] | None  # None: the family needs no split plan (no workspace)
     combine: str
     compile_variants: Callable[..., list[VariantResult]] | None = None
+    supports_row_kv_lens: bool = False
 
     def __post_init__(self):
         if self.combine not in COMBINES:
