@@ -234,10 +234,19 @@ def _make_builder(cfg, block_size: int):
 
     from mla_backend_plugin.vllm.backend import CuteMLAMetadataBuilder
 
-    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's)
+    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's); vLLM >= 0.32
+    # also reads the MLA dims from it and, under DCP, its MLADCPManager (the prefill path's KV gather)
     prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None))
-    cfg.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] = SimpleNamespace(
-        prefill_backend=prefill)
+    layer = SimpleNamespace(prefill_backend=prefill, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128)
+    try:
+        from vllm.v1.attention.ops.dcp import MLADCPManager
+    except ImportError:  # vLLM < 0.32
+        pass
+    else:
+        layer.dcp_manager = object.__new__(MLADCPManager)
+        layer.dcp_manager.init_kv_gather = lambda *args, **kwargs: None
+    cfg.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] = layer
     spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     with set_current_vllm_config(cfg):
         return CuteMLAMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu"))
