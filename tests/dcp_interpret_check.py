@@ -4,8 +4,8 @@ vLLM's Triton wrappers live on a machine without a GPU, must be set before Trito
 
 1. vLLM's slot-mapping kernel (v1/worker/block_table.py) stores each token on the rank and at the local
    position that mla_backend_plugin.testing.dcp assumes, for every rank, interleave size and block size;
-2. vLLM's DCP merge (correct_attn_out, what cp_lse_ag_out_rs runs) equals testing.dcp.merge_partials,
-   including rows some or all ranks saw no key of (LSE -inf, NaN);
+2. vLLM's DCP merge kernel (what correct_attn_out launches for cp_lse_ag_out_rs; on vLLM < 0.32 also the function
+   itself) equals testing.dcp.merge_partials, including rows some or all ranks saw no key of (LSE -inf, NaN);
 3. our Triton decode kernel on every rank's shard, with the per-row limits in local positions, merged by
    vLLM's merge, equals the float32 reference over the unsplit cache (fp16 and fp8 caches, q_len 1..4, ragged
    lengths, interleave 1 and the page size); with the naive local rule (seq_len - q_len + 1 + t) it does not.
@@ -15,6 +15,7 @@ Prints PASS when every check holds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -38,9 +39,23 @@ from mla_backend_plugin.testing.dcp import (  # noqa: E402
 )
 
 
-def check_slot_mapping() -> None:
-    from vllm.v1.worker.block_table import _compute_slot_mapping_kernel
+def _slot_mapping(length, positions, block_table, width, block_size, slots, world, rank, interleave, pad):
+    """vLLM's slot-mapping kernel for one request of ``length`` tokens (its signature changed in 0.32)."""
+    import vllm.v1.worker.block_table as vllm_block_table
 
+    common = dict(TOTAL_CP_WORLD_SIZE=world, TOTAL_CP_RANK=rank, CP_KV_CACHE_INTERLEAVE_SIZE=interleave, PAD_ID=pad,
+                  BLOCK_SIZE=64, KV_CACHE_BLOCK_SIZE=block_size)
+    qsl = torch.tensor([0, length], dtype=torch.int32)
+    if hasattr(vllm_block_table, "ComputeSlotMappingKernel"):  # vLLM >= 0.32
+        vllm_block_table.ComputeSlotMappingKernel.kernel[(2,)](
+            length, slots.numel(), qsl, positions, block_table, width, slots, **common)
+    else:
+        vllm_block_table._compute_slot_mapping_kernel[(2,)](
+            length, slots.numel(), qsl, positions, block_table, width, block_size, slots, BLOCKS_PER_KV_BLOCK=1,
+            **common)
+
+
+def check_slot_mapping() -> None:
     pad = -1
     for world, interleave, block_size in ((2, 1, 16), (2, 16, 16), (4, 1, 16), (4, 8, 32), (8, 64, 64)):
         length = 3 * world * block_size + 5
@@ -49,16 +64,41 @@ def check_slot_mapping() -> None:
         block_table = torch.arange(width, dtype=torch.int32)[None].repeat(2, 1)  # local page i = page id i
         for rank in range(world):
             slots = torch.full((length + 8,), -7, dtype=torch.int64)
-            _compute_slot_mapping_kernel[(2,)](
-                length, length + 8, torch.tensor([0, length], dtype=torch.int32), positions, block_table, width,
-                block_size, slots, KV_CACHE_BLOCK_SIZE=block_size, BLOCKS_PER_KV_BLOCK=1, TOTAL_CP_WORLD_SIZE=world,
-                TOTAL_CP_RANK=rank, CP_KV_CACHE_INTERLEAVE_SIZE=interleave, PAD_ID=pad, BLOCK_SIZE=64)
+            _slot_mapping(length, positions, block_table, width, block_size, slots, world, rank, interleave, pad)
             expected = [pad] * length
             for j, p in enumerate(local_positions(length, world, rank, interleave)):
                 expected[p] = j  # identity block table: the slot id is the local position
             assert slots[:length].tolist() == expected, (world, interleave, block_size, rank)
             assert all(rank_of(p, world, interleave) == rank for p in range(length) if expected[p] != pad)
     print("slot mapping: ok")
+
+
+def _vllm_merge_kernel():
+    """vLLM's DCP merge kernel (the Triton function correct_attn_out launches)."""
+    try:  # vLLM >= 0.32: behind a JIT-warmup launcher the interpreter cannot drive
+        from vllm.v1.attention.ops.dcp import CorrectAttnCPOutKernel
+
+        return CorrectAttnCPOutKernel.kernel
+    except ImportError:
+        from vllm.v1.attention.ops.common import _correct_attn_cp_out_kernel
+
+        return _correct_attn_cp_out_kernel
+
+
+def merge_with_vllm_kernel(outs, lses):
+    """What vllm_merge computes, launching vLLM's merge kernel directly (as correct_attn_out does): each rank's
+    output rescaled in its dtype with the gathered LSEs, then summed."""
+    kernel = _vllm_merge_kernel()
+    lses_all = torch.stack([x.float().contiguous() for x in lses])
+    total = lse = None
+    for r, o in enumerate(outs):
+        o = o.clone()
+        tokens, heads, dim = o.shape
+        lse = torch.empty_strided((tokens, heads), lses_all.stride()[1:], dtype=torch.float32)
+        kernel[(tokens, heads, 1)](o, o, lses_all, lse, *o.stride(), *lses_all.stride(), r, HEAD_DIM=dim,
+                                   N_ROUNDED=len(outs), IS_BASE_E=True)
+        total = o.float() if total is None else total + o.float()
+    return total, lse
 
 
 def check_merge() -> None:
@@ -74,13 +114,16 @@ def check_merge() -> None:
         outs[world - 1][1] = 0
         lses[0][2] = math.nan  # treated as no key, as vLLM's merge does
         ours, ours_lse = merge_partials(outs, lses)
-        theirs, theirs_lse = vllm_merge(outs, lses)
-        torch.testing.assert_close(theirs, ours, rtol=1e-2, atol=2e-2)  # vLLM rescales in bf16
-        assert torch.equal(torch.isneginf(theirs_lse), torch.isneginf(ours_lse))
-        live = torch.isfinite(ours_lse)
-        torch.testing.assert_close(theirs_lse[live], ours_lse[live], rtol=0, atol=1e-5)
-        assert (theirs[0] == 0).all()
-    print("merge: ok")
+        merges = [merge_with_vllm_kernel(outs, lses)]
+        with contextlib.suppress(AttributeError):  # the function itself (vLLM < 0.32 in the interpreter)
+            merges.append(vllm_merge(outs, lses))
+        for theirs, theirs_lse in merges:
+            torch.testing.assert_close(theirs, ours, rtol=1e-2, atol=2e-2)  # vLLM rescales in bf16
+            assert torch.equal(torch.isneginf(theirs_lse), torch.isneginf(ours_lse))
+            live = torch.isfinite(ours_lse)
+            torch.testing.assert_close(theirs_lse[live], ours_lse[live], rtol=0, atol=1e-5)
+            assert (theirs[0] == 0).all()
+    print(f"merge: ok ({len(merges)} forms)")
 
 
 CASES = [  # (kv dtype, global seq_lens, q_len, dcp world, interleave, block size)
@@ -113,12 +156,13 @@ def check_kernel_per_shard() -> None:
                 launch(args, ws, LaunchConfig(split_plan="balanced", enable_pdl=False, tile=cfg.tile))
                 outs.append(args.out)
                 lses.append(args.lse)
-            out, lse = vllm_merge(outs, lses)
+            out, lse = merge_with_vllm_kernel(outs, lses)
             results[rule] = compare_decode(out, lse, *inp.reference(), kv_dtype)
-        assert results["rows"].ok, f"case {i}: {results['rows'].summary()}"
-        if q_len > 1:
-            assert not results["naive"].ok, f"case {i}: the naive local rule should not match"
-        print(f"case {i}: ok (max |err| {results['rows'].max_abs_err:.3g})")
+        rows, naive = results["rows"], results["naive"]
+        assert rows.ok, f"case {i}: {rows.summary()}"
+        if q_len > 1:  # a row missing one key of ~100 can hide in the fp8 tolerance: compare with the right rule
+            assert naive.max_abs_err > 4 * rows.max_abs_err, f"case {i}: the naive local rule should not match"
+        print(f"case {i}: ok (max |err| {rows.max_abs_err:.3g}; naive local rule {naive.max_abs_err:.3g})")
 
 
 def main() -> None:

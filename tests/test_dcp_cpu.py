@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import itertools
 import os
 import subprocess
 import sys
@@ -96,19 +95,22 @@ def test_reference_per_shard_merges_to_the_unsplit_result(kv_dtype, q_len):
     inp = make_decode_inputs(len(lens), lens, q_len, 16, 16, kv_dtype, "pair", "cpu", q_len,
                              kv_scale=2.0 if fp8 else None)
     ref = inp.reference()
-    for (world, interleave), rule in itertools.product(GROUPS[:4], ("rows", "naive")):
-        outs, lses = [], []
-        for rank in range(world):
-            shard = shard_decode_inputs(inp, world, rank, interleave, seed=rank)
-            out, lse = mla_decode(*shard.call_args(), softmax_scale=shard.softmax_scale, kernel="reference",
-                                  row_kv_lens=shard.row_kv_lens if rule == "rows" else None, **shard.scale_kwargs())
-            outs.append(out)
-            lses.append(lse)
-        result = compare_decode(*merge_partials(outs, lses), *ref, kv_dtype)
-        if rule == "rows":
-            assert result.ok, f"world {world} interleave {interleave}: {result.summary()}"
-        else:
-            assert result.ok == (q_len == 1), (world, interleave)
+    for world, interleave in GROUPS[:4]:
+        results = {}
+        for rule in ("rows", "naive"):
+            outs, lses = [], []
+            for rank in range(world):
+                shard = shard_decode_inputs(inp, world, rank, interleave, seed=rank)
+                out, lse = mla_decode(*shard.call_args(), softmax_scale=shard.softmax_scale, kernel="reference",
+                                      row_kv_lens=shard.row_kv_lens if rule == "rows" else None,
+                                      **shard.scale_kwargs())
+                outs.append(out)
+                lses.append(lse)
+            results[rule] = compare_decode(*merge_partials(outs, lses), *ref, kv_dtype)
+        rows, naive = results["rows"], results["naive"]
+        assert rows.ok, f"world {world} interleave {interleave}: {rows.summary()}"
+        # a row missing one key can hide in the fp8 tolerance: compare the errors themselves
+        assert (naive.max_abs_err > 4 * rows.max_abs_err) == (q_len > 1), (world, interleave, naive)
 
 
 def test_dcp_through_triton_and_vllm_in_the_interpreter():

@@ -255,20 +255,22 @@ def _make_builder(cfg, block_size: int):
 def _decode_metadata(builder, inp, global_lens, local_lens):
     """builder.build(...) on a decode-only batch of ``inp`` (uniform q_len), as vLLM's model runner calls it under
     DCP: seq_lens global, dcp_local_seq_lens this rank's."""
+    import dataclasses
+
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     batch, q_len = inp.batch, inp.q_len
     qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
     seq_lens = torch.tensor(global_lens, dtype=torch.int32)
-    m = CommonAttentionMetadata(
+    fields = dict(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=batch,
         num_actual_tokens=batch * q_len, max_query_len=q_len, max_seq_len=max(global_lens),
         block_table_tensor=inp.block_table, slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64),
-        dcp_local_seq_lens=torch.tensor(local_lens, dtype=torch.int32),
-        seq_lens_cpu_upper_bound=seq_lens.clone(), _seq_lens_cpu=seq_lens.clone(),
-        _num_computed_tokens_cpu=seq_lens - q_len)
-    return builder.build(0, m)
+        dcp_local_seq_lens=torch.tensor(local_lens, dtype=torch.int32), seq_lens_cpu_upper_bound=seq_lens.clone(),
+        _seq_lens_cpu=seq_lens.clone(), _num_computed_tokens_cpu=seq_lens - q_len)
+    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}  # the CPU shadows went in 0.32
+    return builder.build(0, CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known}))
 
 
 def scenario_dcp_decode() -> None:
