@@ -1,7 +1,10 @@
 """vLLM end to end on a GPU: our builder's metadata and forward_mqa inside a real engine (tiny DeepSeek).
 
 Every eager decode call is compared with the float32 reference on the inputs vLLM passed (see
-vllm_gpu_check.py). The CUDA-graph run must generate what the eager run generates.
+vllm_gpu_check.py). The CUDA-graph run must generate what the eager run generates. The decode-context-parallel
+tests need two GPUs (TP 2 x DCP 2): every rank's call checked on its shard, and the tokens and logprobs equal to
+the same engine at TP 2 without DCP (same dummy weights: they depend on the TP sharding, so a one-GPU run has
+other weights), eager and with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_gpu_check.py")
 
@@ -62,3 +66,36 @@ def test_cuda_graphs_generate_like_eager():
     assert graphs["tokens"] == eager["tokens"]
     for lp_e, lp_g in zip(eager["logprobs"], graphs["logprobs"]):
         assert max(abs(a - b) for a, b in zip(lp_e, lp_g)) < 5e-2
+
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def assert_same_generation(a: dict, b: dict, logprob_tol: float) -> None:
+    assert a["tokens"] == b["tokens"], (a["tokens"], b["tokens"])
+    for lp_a, lp_b in zip(a["logprobs"], b["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < logprob_tol
+
+
+@two_gpus
+@pytest.mark.parametrize("interleave,spec,kv_cache_dtype", [(1, 0, "auto"), (64, 0, "auto"), (1, 2, "auto"),
+                                                             (64, 1, "fp8")])
+def test_dcp_two_gpus_matches_tp_without_dcp(interleave, spec, kv_cache_dtype):
+    common = ["--tp", "2", "--speculative-tokens", str(spec), "--kv-cache-dtype", kv_cache_dtype,
+              "--block-size", "64"]
+    base = run_check("eager", *common)
+    dcp = run_check("eager", *common, "--dcp", "2", "--interleave", str(interleave))
+    stats = dcp["stats"]
+    assert stats["workers"] == 2 and stats["dcp_world_sizes"] == {"2": stats["calls"]}, stats
+    assert stats["heads"] == {"128": stats["calls"]}, stats  # 64 per rank, gathered over the DCP group
+    assert_decode_checked(stats, kv_cache_dtype == "fp8", 1 + spec, "torch.bfloat16")
+    if spec:
+        assert stats["row_kv_lens_calls"] > 0, stats
+    assert_same_generation(dcp, base, 5e-2 if kv_cache_dtype == "fp8" else 2e-2)
+
+
+@two_gpus
+def test_dcp_two_gpus_cuda_graphs_generate_like_eager():
+    eager = run_check("eager", "--tp", "2", "--dcp", "2", "--speculative-tokens", "1")
+    graphs = run_check("graphs", "--tp", "2", "--dcp", "2", "--speculative-tokens", "1")
+    assert_same_generation(graphs, eager, 5e-2)

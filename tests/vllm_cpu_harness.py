@@ -231,6 +231,170 @@ def scenario_autotune_deployment() -> None:
     assert compat.decode_max_seq_len({}) is None
 
 
+# ---------------------------------------------------------------------------------- decode context parallelism
+
+
+def _dcp_config(dcp: int, interleave: int, block_size: int, spec_tokens: int):
+    """A TP = DCP config of the tiny model (128 heads: 128 / TP per rank, 128 gathered per decode call)."""
+    import json
+
+    extra = []
+    if spec_tokens:
+        spec = {"method": "ngram", "num_speculative_tokens": spec_tokens, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 4}
+        extra = ["--speculative-config", json.dumps(spec)]
+    cfg = engine_config("--attention-backend", "CUTE_MLA", "--tensor-parallel-size", str(dcp),
+                        "--decode-context-parallel-size", str(dcp), "--cp-kv-cache-interleave-size", str(interleave),
+                        "--block-size", str(block_size), "--distributed-executor-backend", "mp",
+                        "--max-num-seqs", "16", *extra)
+    assert cfg.parallel_config.decode_context_parallel_size == dcp
+    assert cfg.parallel_config.cp_kv_cache_interleave_size == interleave
+    return cfg
+
+
+def _set_dcp_group(world: int, rank: int) -> None:
+    """What get_dcp_group() returns in a worker of a DCP group (vLLM's builders read world size and rank)."""
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+
+    parallel_state._DCP = SimpleNamespace(world_size=world, rank_in_group=rank)
+
+
+def _make_builder(cfg, block_size: int):
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from mla_backend_plugin.vllm.backend import CuteMLAMetadataBuilder
+
+    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's); vLLM >= 0.32
+    # also reads the MLA dims from it and, under DCP, its MLADCPManager (the prefill path's KV gather)
+    prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None))
+    layer = SimpleNamespace(prefill_backend=prefill, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128)
+    try:
+        from vllm.v1.attention.ops.dcp import MLADCPManager
+    except ImportError:  # vLLM < 0.32
+        pass
+    else:
+        layer.dcp_manager = object.__new__(MLADCPManager)
+        layer.dcp_manager.init_kv_gather = lambda *args, **kwargs: None
+    cfg.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] = layer
+    spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    with set_current_vllm_config(cfg):
+        return CuteMLAMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu"))
+
+
+def _decode_metadata(builder, inp, global_lens, local_lens):
+    """builder.build(...) on a decode-only batch of ``inp`` (uniform q_len), as vLLM's model runner calls it under
+    DCP: seq_lens global, dcp_local_seq_lens this rank's."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    batch, q_len = inp.batch, inp.q_len
+    qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    seq_lens = torch.tensor(global_lens, dtype=torch.int32)
+    fields = dict(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=batch,
+        num_actual_tokens=batch * q_len, max_query_len=q_len, max_seq_len=max(global_lens),
+        block_table_tensor=inp.block_table, slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64),
+        dcp_local_seq_lens=torch.tensor(local_lens, dtype=torch.int32), seq_lens_cpu_upper_bound=seq_lens.clone(),
+        _seq_lens_cpu=seq_lens.clone(), _num_computed_tokens_cpu=seq_lens - q_len)
+    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}  # the CPU shadows went in 0.32
+    return builder.build(0, CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known}))
+
+
+def scenario_dcp_decode() -> None:
+    """Under DCP 2 and 4 (interleave 1 and the page size, q_len 1..4): our builder keeps q_len > 1 on the decode
+    path, sizes the workspace for the gathered heads, hands decode the local lengths and per-row limits in
+    local positions (in a persistent buffer), and each rank's decode (reference kernel, CPU) merged by the LSE
+    equals attention over the unsplit cache."""
+    import functools
+
+    import torch
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    from mla_backend_plugin.ops import serving
+    from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
+    from mla_backend_plugin.testing.dcp import merge_partials, shard_decode_inputs, shard_row_kv_lens
+    from mla_backend_plugin.vllm.backend import CuteMLAImpl
+
+    os.environ["CUTE_MLA_KERNEL"] = "reference"
+    install_fake_gpu()
+    # the builder's workspace on the CPU: an H100's SM count instead of asking the (absent) GPU
+    serving.MLAWorkspace = functools.partial(serving.MLAWorkspace, num_sms=132)
+    page = 16
+    for dcp, interleave, spec_tokens in ((2, 1, 1), (2, page, 3), (4, 1, 2), (4, page, 0), (2, 1, 0)):
+        cfg = _dcp_config(dcp, interleave, page, spec_tokens)
+        q_len = 1 + spec_tokens
+        heads = 128  # 128 / TP per rank, gathered over the DCP group (TP = DCP here)
+        lens = [q_len, q_len + 1, 5, 17, 64, 130, 333]
+        inp = make_decode_inputs(len(lens), lens, q_len, heads, page, torch.bfloat16, "cat", "cpu", dcp + q_len)
+        outs, lses = [], []
+        for rank in range(dcp):
+            _set_dcp_group(dcp, rank)
+            builder = _make_builder(cfg, page)
+            # vLLM keeps the MTP block on the decode path only because we declare supports_dcp_with_varlen
+            assert builder.reorder_batch_threshold == q_len, (builder.reorder_batch_threshold, q_len)
+            assert builder.workspace.num_heads == heads, builder.workspace.num_heads
+            assert builder.dcp_rank == rank and builder.dcp_world_size == dcp
+            shard = shard_decode_inputs(inp, dcp, rank, interleave, seed=rank)
+            local = get_dcp_local_seq_lens(torch.tensor(lens), dcp, rank, interleave).tolist()  # vLLM's runner
+            assert local == shard.seq_lens_list, (local, shard.seq_lens_list)
+            meta = _decode_metadata(builder, shard, lens, local)
+            decode = meta.decode
+            assert meta.num_decodes == len(lens) and decode is not None
+            assert decode.seq_lens.tolist() == local
+            assert decode.dcp_tot_seq_lens.tolist() == lens
+            if q_len == 1:
+                assert decode.row_kv_lens is None
+            else:
+                expected = shard_row_kv_lens(lens, q_len, dcp, rank, interleave)
+                assert decode.row_kv_lens.tolist() == expected, (decode.row_kv_lens.tolist(), expected)
+                assert decode.row_kv_lens.data_ptr() == builder.row_kv_lens_buffer.data_ptr()
+                naive = [[max(s - q_len + 1 + t, 0) for t in range(q_len)] for s in local]
+                assert expected != naive or dcp == 1  # the local causal rule is not seq_len - q_len + 1 + t
+            runner = serving.DecodeRunner(inp.softmax_scale, "auto")
+            assert runner.kernel == "reference"
+            out, lse = runner.decode(shard.q, shard.kv_cache, decode.block_table, decode.seq_lens,
+                                     decode.workspace, row_kv_lens=decode.row_kv_lens)
+            outs.append(out.clone())
+            lses.append(lse.clone())
+        merged_out, merged_lse = merge_partials(outs, lses)
+        assert_close_decode(merged_out, merged_lse, *inp.reference(), torch.bfloat16,
+                            msg=f"dcp={dcp} interleave={interleave} q_len={q_len}")
+    # vLLM asks for the LSE under DCP and merges in the natural-log base; MTP with interleave > 1 is allowed
+    _set_dcp_group(2, 1)
+    impl = CuteMLAImpl.__new__(CuteMLAImpl)
+    assert impl.need_to_return_lse_for_decode and impl.lse_base_on_e
+    assert impl.supports_mtp_with_cp_non_trivial_interleave_size
+
+
+def scenario_dcp_refusals() -> None:
+    """A head count the kernels lack once q is gathered over the DCP group is refused when the builder is made
+    (before warm-up), naming both numbers."""
+    install_fake_gpu()
+    import json
+
+    cfg = engine_config("--attention-backend", "CUTE_MLA", "--tensor-parallel-size", "2",
+                        "--decode-context-parallel-size", "2", "--distributed-executor-backend", "mp",
+                        "--hf-overrides", json.dumps({"num_attention_heads": 48}))
+    assert cfg.model_config.get_num_attention_heads(cfg.parallel_config) == 24
+    _set_dcp_group(2, 0)
+    try:
+        _make_builder(cfg, 64)
+    except ValueError as e:
+        assert "24 attention heads per rank x decode_context_parallel_size 2 = 48 query heads per decode call is " \
+               "not supported" in str(e), e
+    else:
+        raise AssertionError("48 gathered heads accepted")
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

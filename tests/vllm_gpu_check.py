@@ -1,12 +1,18 @@
 """End-to-end check of the CUTE_MLA backend inside vLLM on a GPU (run by tests/test_vllm_gpu.py).
 
     python tests/vllm_gpu_check.py MODE [--kv-cache-dtype fp8] [--speculative-tokens N] [--block-size B]
+        [--tp N --dcp N --interleave I]
 
 MODE ``eager``: vLLM runs the tiny DeepSeek model eagerly with the engine in this process, and every call
 of ``CuteMLAImpl.forward_mqa`` is checked against the float32 reference on the very inputs vLLM passed (q,
 paged cache, block table and seq_lens from our metadata builder). MODE ``graphs``: the same model with CUDA
 graphs; generated token ids and their logprobs are printed for comparison with an eager run. Prints one
 JSON line ``RESULT {...}``.
+
+With ``--tp`` > 1 the workers are forked from this process (so they inherit the checker) and append each
+call's numbers to files that this process sums up. Under DCP (``--dcp``) every rank's call is checked on its
+own shard (local lengths, the per-row limits our builder computed); the merge across ranks is vLLM's, checked
+by comparing the generated tokens with a run at the same TP without DCP (tests/test_vllm_gpu.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: the patch applies
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STATS_DIR_ENV = "MLA_GPU_CHECK_STATS_DIR"  # where forked workers append their per-call numbers
 
 MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                          "tiny_deepseek", "model")
@@ -44,24 +52,48 @@ def install_checker(stats: dict) -> None:
             q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
         q_len = q_nope.shape[0] // decode.block_table.shape[0]
         cache = kv_cache.view(FP8_DTYPE) if self.runner.is_fp8_kv_cache else kv_cache
+        row_kv_lens = getattr(decode, "row_kv_lens", None)  # DCP with q_len > 1: limits in local positions
         ref_out, ref_lse = mla_decode_reference(
             q_nope, q_pe, cache, decode.block_table, decode.seq_lens, q_len, self.scale,
             q_scale=layer._q_scale if q_nope.dtype == FP8_DTYPE else None,
-            kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None)
+            kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None, row_kv_lens=row_kv_lens)
         rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
         finite = torch.isfinite(ref_lse)
         lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
         lse_inf_ok = bool(torch.equal(torch.isinf(lse), ~finite))
-        stats["calls"] += 1
-        stats["q_lens"][str(q_len)] = stats["q_lens"].get(str(q_len), 0) + 1
-        stats["max_rel_err"] = max(stats["max_rel_err"], rel)
-        stats["max_lse_err"] = max(stats["max_lse_err"], lse_err)
-        stats["lse_inf_mismatch"] += int(not lse_inf_ok)
-        stats["q_dtypes"][str(q_nope.dtype)] = 1
-        stats["max_seq_len"] = max(stats["max_seq_len"], int(decode.seq_lens.max().item()))
+        record = {"calls": 1, "q_lens": {str(q_len): 1}, "max_rel_err": rel, "max_lse_err": lse_err,
+                  "lse_inf_mismatch": int(not lse_inf_ok), "q_dtypes": {str(q_nope.dtype): 1},
+                  "max_seq_len": int(decode.seq_lens.max().item()), "heads": {str(q_nope.shape[1]): 1},
+                  "dcp_world_sizes": {str(max(self.dcp_world_size, 1)): 1},
+                  "row_kv_lens_calls": int(row_kv_lens is not None)}
+        stats_dir = os.environ.get(STATS_DIR_ENV)
+        if stats_dir:
+            with open(os.path.join(stats_dir, f"{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        else:
+            merge_stats(stats, record)
         return out, lse
 
     CuteMLAImpl.forward_mqa = checked_forward_mqa
+
+
+def merge_stats(stats: dict, record: dict) -> None:
+    for key, value in record.items():
+        if isinstance(value, dict):
+            for k, n in value.items():
+                stats[key][k] = stats[key].get(k, 0) + n
+        elif key.startswith("max_"):
+            stats[key] = max(stats[key], value)
+        else:
+            stats[key] += value
+
+
+def collect_worker_stats(stats: dict, stats_dir: str) -> None:
+    for name in sorted(os.listdir(stats_dir)):
+        with open(os.path.join(stats_dir, name)) as f:
+            for line in f:
+                merge_stats(stats, json.loads(line))
+        stats["workers"] += 1
 
 
 def main() -> None:
@@ -73,15 +105,26 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--fp8-query", action="store_true", help="let vLLM quantise q to fp8 (fp8 KV only)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+    parser.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size (divides --tp)")
+    parser.add_argument("--interleave", type=int, default=1, help="cp_kv_cache_interleave_size under DCP")
     args = parser.parse_args()
     if args.fp8_query:
         os.environ["CUTE_MLA_FP8_QUERY"] = "1"
+    stats_dir = None
+    if args.tp > 1 and args.mode == "eager":
+        import tempfile
+
+        stats_dir = tempfile.mkdtemp(prefix="cute_mla_check_")
+        os.environ[STATS_DIR_ENV] = stats_dir
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # the workers inherit the patched forward_mqa
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     stats = {"calls": 0, "q_lens": {}, "q_dtypes": {}, "max_rel_err": 0.0, "max_lse_err": 0.0,
-             "lse_inf_mismatch": 0, "max_seq_len": 0}
+             "lse_inf_mismatch": 0, "max_seq_len": 0, "heads": {}, "dcp_world_sizes": {}, "row_kv_lens_calls": 0,
+             "workers": 0}
     if args.mode == "eager":
         install_checker(stats)
     extra = {}
@@ -90,6 +133,11 @@ def main() -> None:
     if args.speculative_tokens:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.speculative_tokens,
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    if args.tp > 1:
+        extra["tensor_parallel_size"] = args.tp
+    if args.dcp > 1:
+        extra["decode_context_parallel_size"] = args.dcp
+        extra["cp_kv_cache_interleave_size"] = args.interleave
     llm = LLM(model=MODEL_DIR, attention_backend=args.backend, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=args.mode == "eager", kv_cache_dtype=args.kv_cache_dtype, max_model_len=4096,
               max_num_seqs=32, gpu_memory_utilization=0.4, seed=0, **extra)
@@ -99,9 +147,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
                             logprobs=1)
     results = llm.generate(prompts, params)
+    if stats_dir:
+        collect_worker_stats(stats, stats_dir)
     tokens = [list(r.outputs[0].token_ids) for r in results]
     logprobs = [[lp[t].logprob for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)] for r in results]
-    print("RESULT " + json.dumps({"mode": args.mode, "backend": args.backend, "stats": stats, "tokens": tokens,
+    print("RESULT " + json.dumps({"mode": args.mode, "backend": args.backend, "tp": args.tp, "dcp": args.dcp,
+                                  "interleave": args.interleave, "stats": stats, "tokens": tokens,
                                   "logprobs": logprobs}))
     sys.stdout.flush()
 

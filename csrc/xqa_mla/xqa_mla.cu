@@ -409,8 +409,12 @@ __device__ __forceinline__ void split_kernel(const XqaMlaParams& p, const CUtens
     const int tq = row_ok[i] ? row[i] / p.num_heads : 0;
     head[i] = row_ok[i] ? row[i] - tq * p.num_heads : 0;
     tok[i] = b * p.q_len + tq;
-    // causal inside the q block: token tq sees the first seq_len - q_len + tq + 1 keys
-    const int row_kv_len = row_ok[i] ? seq_len - p.q_len + 1 + tq : 0;
+    // causal inside the q block: token tq sees the first seq_len - q_len + tq + 1 keys, unless the count is
+    // given per row (decode context parallelism: the q block's own tokens are not all in this rank's cache)
+    int row_kv_len = 0;
+    if (row_ok[i]) {
+      row_kv_len = p.row_kv_lens ? min(p.row_kv_lens[b * p.q_len + tq], seq_len) : seq_len - p.q_len + 1 + tq;
+    }
     limit[i] = min(row_kv_len, end);
   }
 

@@ -21,6 +21,7 @@ struct XqaMlaParams {
   const void* kv;             // [num_blocks, page_size, 576] compute dtype or fp8 (read through the tensor map)
   const int* block_table;     // [B, max_blocks]
   const int* seq_lens;        // [B]
+  const int* row_kv_lens;     // [B, q_len] keys each query row sees (capped at seq_len), or null: causal rule
   void* out;                  // [T, H, 512] bf16/fp16
   float* lse;                 // [T, H], natural log
   float* part_out;            // [rows * splits, 512] fp32 partial outputs (normalised)

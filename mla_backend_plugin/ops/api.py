@@ -44,6 +44,9 @@ class DecodeArgs:
     out: torch.Tensor  # [B*q_len, H, 512]
     lse: torch.Tensor  # [B*q_len, H] float32, natural log
     compute_dtype: torch.dtype  # 16-bit dtype the matrix products run in
+    # [B, q_len] int32: keys each query row sees (at most seq_len), or None for the usual causal rule
+    # (seq_len - q_len + t + 1). Given for a KV cache sharded across ranks (decode context parallelism).
+    row_kv_lens: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -76,6 +79,10 @@ def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.dev
     return float(scale)
 
 
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(q, (tuple, list)):
         if len(q) != 2:
@@ -103,7 +110,8 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
                  q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
-                 lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> DecodeArgs:
+                 lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 row_kv_lens: torch.Tensor | None = None) -> DecodeArgs:
     """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
     q_nope, q_pe = _split_q(q)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
@@ -153,6 +161,16 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
         if t.device != device:
             _fail(name, f"is on {t.device} but q is on {device}")
 
+    if row_kv_lens is not None:
+        if not isinstance(row_kv_lens, torch.Tensor) or row_kv_lens.dtype != torch.int32 \
+                or tuple(row_kv_lens.shape) != (batch, q_len):
+            _fail("row_kv_lens", f"must be an int32 tensor [batch, q_len] = [{batch}, {q_len}] (keys each query "
+                                 f"row sees), got {_describe(row_kv_lens)}")
+        if not row_kv_lens.is_contiguous():
+            _fail("row_kv_lens", "must be contiguous")
+        if row_kv_lens.device != device:
+            _fail("row_kv_lens", f"is on {row_kv_lens.device} but q is on {device}")
+
     q_is_fp8 = q_nope.dtype == FP8_DTYPE
     kv_is_fp8 = kv_cache.dtype == FP8_DTYPE
     if out is not None and out_dtype is not None and out.dtype != out_dtype:
@@ -185,7 +203,8 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
                      f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
     return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
                       batch=batch, q_len=q_len, num_heads=num_heads, softmax_scale=float(softmax_scale),
-                      q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype)
+                      q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype,
+                      row_kv_lens=row_kv_lens)
 
 
 def mla_decode(
@@ -207,6 +226,7 @@ def mla_decode(
     fp8_design: str | None = None,
     config: LaunchConfig | None = None,
     max_seq_len: int | None = None,
+    row_kv_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
@@ -236,6 +256,11 @@ def mla_decode(
         max_seq_len: the longest KV length of this call when the caller knows it on the host (eager engines):
             the tuned choice of that length bucket. Ignored under CUDA-graph capture, where one graph serves
             every length: there the deployment's context profile decides (``autotune.set_seq_profile``).
+        row_kv_lens: optional int32 ``[batch, q_len]`` device tensor: row t of request b attends to its first
+            ``min(row_kv_lens[b, t], seq_lens[b])`` keys instead of ``seq_len - q_len + t + 1``. For a KV cache
+            sharded across ranks (decode context parallelism), where the q block's own new tokens are not all
+            stored on this rank: ``ops.serving.dcp_row_kv_lens`` computes it from the global lengths. Read on
+            the device (CUDA-graph safe); kernels whose manifest lacks ``supports_row_kv_lens`` refuse it.
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
@@ -244,7 +269,8 @@ def mla_decode(
     from mla_backend_plugin.ops.registry import device_capability, select_kernel
 
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
-                        q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype)
+                        q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
+                        row_kv_lens=row_kv_lens)
     if config is not None and not isinstance(config, LaunchConfig):
         _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if kernel == "auto":

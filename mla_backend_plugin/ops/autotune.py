@@ -213,7 +213,7 @@ def candidates_for(args, cc, workspace=None, kernels: Iterable[str] | None = Non
     first), and why the others may not (keyed by kernel name, or by candidate label for a single config).
     ``check=False`` skips the self-check of unverified kernels (a dry run without a GPU)."""
     from mla_backend_plugin.ops.arch import device_smem_per_block
-    from mla_backend_plugin.ops.registry import KERNELS, self_check_failure
+    from mla_backend_plugin.ops.registry import KERNELS, self_check_failure, unsupported_reason
 
     device = args.q_nope.device
     kernels = candidate_kernels(cc) if kernels is None else list(kernels)
@@ -222,7 +222,7 @@ def candidates_for(args, cc, workspace=None, kernels: Iterable[str] | None = Non
     refused: dict[str, str] = {}
     for name in kernels:
         spec = KERNELS[name]
-        reason = spec.unsupported_reason(args, cc)
+        reason = unsupported_reason(spec, args, cc)  # the registry's checks (row_kv_lens) and the family's
         if reason is None and check:
             failure = self_check_failure(spec, device, cc)
             if failure is not None:
@@ -445,7 +445,11 @@ def lookup(args, cc, max_seq_len: int | None = None) -> Choice | None:
         choice = row.get(seq_bucket(max_seq_len))
     if choice is None:
         choice = row.get(PROFILE)
-    if choice is None or choice.spec.unsupported_reason(args, cc) is not None:
+    if choice is None:
+        return None
+    from mla_backend_plugin.ops.registry import unsupported_reason  # registry imports this module's names lazily
+
+    if unsupported_reason(choice.spec, args, cc) is not None:
         return None
     if not choice.checked and not _check(choice, device, cc):
         return None

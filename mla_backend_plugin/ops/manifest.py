@@ -26,6 +26,8 @@ The kernel contract:
   ``LaunchConfig.label``).
 
 A folder may declare several kernels (``MANIFESTS``, a tuple) when they share an adapter (kernels/flashinfer).
+* ``supports_row_kv_lens``: the family honours ``args.row_kv_lens`` (per-row key counts, decode context
+  parallelism); a family that does not declare it is refused such calls by the registry, never handed them.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class KernelManifest:
     compile_variants: Callable[..., list[VariantResult]] | None = None
     scratch: Callable[..., tuple[str, int] | None] | None = None
     config_label: Callable[[LaunchConfig], str] | None = None
+    supports_row_kv_lens: bool = False
 
     def __post_init__(self):
         if self.combine not in COMBINES:

@@ -157,6 +157,14 @@ def _announce(spec: KernelManifest, device, cc) -> None:
         logger.info("mla_decode: kernel %r on %s (%s)", spec.name, device, where)
 
 
+def unsupported_reason(spec: KernelManifest, args, cc) -> str | None:
+    """Why ``spec`` cannot run this call: what the registry checks for every family, then the family's own
+    ``unsupported_reason``."""
+    if getattr(args, "row_kv_lens", None) is not None and not spec.supports_row_kv_lens:
+        return "does not support row_kv_lens (per-row key counts, used by decode context parallelism)"
+    return spec.unsupported_reason(args, cc)
+
+
 def select_kernel(args, name: str = "auto") -> KernelManifest:
     cc = device_capability(args.q_nope.device)
     if name != "auto":
@@ -164,7 +172,7 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
         if spec is None:
             raise ValueError(f"mla_decode: kernel: unknown kernel {name!r}; allowed: 'auto', "
                              + ", ".join(repr(k) for k in KERNELS))
-        reason = spec.unsupported_reason(args, cc)
+        reason = unsupported_reason(spec, args, cc)
         if reason is not None:
             raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
         failure = self_check_failure(spec, args.q_nope.device, cc)
@@ -183,7 +191,7 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
     reasons = []
     for kname in order:
         spec = KERNELS[kname]
-        reason = spec.unsupported_reason(args, cc)
+        reason = unsupported_reason(spec, args, cc)
         if reason is None:
             failure = self_check_failure(spec, args.q_nope.device, cc)
             if failure is None:
@@ -200,4 +208,4 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
 
 __all__ = ["AUTO_ORDER", "KERNELS", "KernelManifest", "KernelSpec", "LaunchConfig", "available_kernels",
            "device_capability", "kernels_for_device", "plan_rows_for", "scratch_for", "select_kernel",
-           "self_check_failure"]
+           "self_check_failure", "unsupported_reason"]

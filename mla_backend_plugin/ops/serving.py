@@ -47,10 +47,47 @@ def max_decode_q_len(num_speculative_tokens: int | None) -> int:
     return q_len
 
 
-def check_num_heads(num_heads: int) -> None:
-    if num_heads not in SUPPORTED_NUM_HEADS:
+def check_num_heads(num_heads: int, dcp_world_size: int = 1) -> int:
+    """The query heads of one decode call, refused unless a kernel supports them: the rank's heads, times the
+    decode-context-parallel size (the engine gathers the q heads of the DCP group before decode)."""
+    total = num_heads * dcp_world_size
+    if total not in SUPPORTED_NUM_HEADS:
+        if dcp_world_size > 1:
+            raise ValueError(
+                f"{BACKEND_NAME}: {num_heads} attention heads per rank x decode_context_parallel_size "
+                f"{dcp_world_size} = {total} query heads per decode call is not supported; allowed: "
+                f"{SUPPORTED_NUM_HEADS}")
         raise ValueError(f"{BACKEND_NAME}: {num_heads} attention heads per rank is not supported; "
                          f"allowed: {SUPPORTED_NUM_HEADS}")
+    return total
+
+
+def dcp_local_kv_lens(global_lens: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
+    """Decode context parallelism: how many of a request's first ``global_lens`` tokens rank ``rank`` of the
+    ``world`` ranks stores, when the tokens are dealt out ``interleave`` at a time (token p lives on rank
+    (p // interleave) % world, at local position (p // (world * interleave)) * interleave + p % interleave;
+    vLLM's cp_kv_cache_interleave_size). Elementwise on an integer tensor of any shape (int32 result);
+    negative lengths count as 0. No host sync."""
+    n = global_lens.to(torch.int32).clamp(min=0)
+    cycle = world * interleave
+    full = torch.div(n, cycle, rounding_mode="floor")
+    return (full * interleave + (n - full * cycle - rank * interleave).clamp(0, interleave)).to(torch.int32)
+
+
+def dcp_row_kv_lens(global_seq_lens: torch.Tensor, q_len: int, world: int, rank: int, interleave: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``mla_decode``'s ``row_kv_lens`` ([B, q_len] int32) on rank ``rank`` of a decode-context-parallel group:
+    row t of a request sees the global keys below ``seq_len - q_len + 1 + t``, and this rank holds
+    ``dcp_local_kv_lens`` of them. That is not ``local_len - q_len + 1 + t``: the q block's new tokens are
+    dealt out across the ranks too (the last row's count is the local length). Written into ``out`` when given
+    (a persistent buffer that a CUDA graph reads); device ops only, no host sync."""
+    t = torch.arange(q_len, dtype=torch.int32, device=global_seq_lens.device)
+    lens = dcp_local_kv_lens(global_seq_lens.to(torch.int32)[:, None] - (q_len - 1) + t[None, :], world, rank,
+                             interleave)
+    if out is None:
+        return lens
+    out.copy_(lens)
+    return out
 
 
 def check_mla_dims(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
@@ -98,7 +135,8 @@ def unsupported_reasons(*, head_size=None, dtype=None, kv_cache_dtype=None, bloc
 def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | None, num_heads: int,
                    out_dtype: torch.dtype) -> MLAWorkspace:
     """The workspace of one engine: split-KV partials for up to ``max_num_seqs`` requests of the decode q_len,
-    and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture."""
+    and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture.
+    ``num_heads``: the query heads of one decode call (under DCP the rank's heads x the DCP size)."""
     check_num_heads(num_heads)
     # room for every split cap a tuned launch config may ask for (the default cap stays the workspace's)
     return MLAWorkspace(device, max_batch=max_num_seqs, max_q_len=max_decode_q_len(num_speculative_tokens),
@@ -184,9 +222,11 @@ class DecodeRunner:
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
-               tuning: DeploymentTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               tuning: DeploymentTuning | None = None,
+               row_kv_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``max_seq_len``: the step's longest KV length when the engine knows it on the host (picks the tuned
-        choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook."""
+        choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook.
+        ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``)."""
         if tuning is not None:
             tuning.run_once(workspace.device)
             if not tuning.host_lengths:
@@ -198,5 +238,6 @@ class DecodeRunner:
                    softmax_scale=self.softmax_scale,
                    q_scale=dequant_scale(q_scale) if q_is_fp8 else None,
                    kv_scale=dequant_scale(kv_scale) if self.is_fp8_kv_cache else None,
-                   out=out, lse=lse, workspace=workspace, kernel=self.kernel, max_seq_len=max_seq_len)
+                   out=out, lse=lse, workspace=workspace, kernel=self.kernel, max_seq_len=max_seq_len,
+                   row_kv_lens=row_kv_lens)
         return out, lse

@@ -53,6 +53,9 @@ class DecodeInputs:
     q_scale: float | None  # None for a 16-bit q
     kv_scale: float | None  # None for a 16-bit cache
     out_dtype: torch.dtype
+    # [B, q_len] int32 keys each query row sees (one rank's shard under decode context parallelism:
+    # testing/dcp.py), or None for the usual causal rule; pass it to mla_decode as row_kv_lens=
+    row_kv_lens: torch.Tensor | None = None
     _fp8_query: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -140,7 +143,7 @@ class DecodeInputs:
             q, q_scale = self.query(q_dtype)
             q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
         return mla_decode_reference(q_nope, q_pe, self.kv_cache, self.block_table, self.seq_lens, self.q_len,
-                                    self.softmax_scale, q_scale, self.kv_scale)
+                                    self.softmax_scale, q_scale, self.kv_scale, row_kv_lens=self.row_kv_lens)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,9 @@ class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     workspace: MLAWorkspace | None = None
     max_seq_len: int | None = None  # host-known longest length of the step (the tuned choice's bucket, eager)
     tuning: serving.DeploymentTuning | None = None
+    # decode context parallelism with q_len > 1: [B, q_len] keys of this rank's shard each query row sees (a
+    # view of the builder's persistent buffer); None otherwise (seq_lens alone gives every row's limit)
+    row_kv_lens: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -39,30 +42,60 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
     query_len_support: ClassVar[compat.QueryLenSupport] = compat.QueryLenSupport.UNIFORM
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device, CuteMLAMetadata)
-        if self.dcp_world_size > 1:
-            raise NotImplementedError(
-                f"{BACKEND_NAME} does not support decode context parallelism yet "
-                f"(decode_context_parallel_size={self.dcp_world_size}); use 1")
+        # Decode context parallelism (DCP): vLLM hands decode this rank's local lengths (seq_lens) and the
+        # global ones (dcp_tot_seq_lens). Declaring supports_dcp_with_varlen keeps q_len > 1 (MTP) requests on
+        # the decode path under DCP (else vLLM sets reorder_batch_threshold to 1 and verifies drafts through
+        # the prefill path); each query row then gets its causal limit in this rank's local positions
+        # (row_kv_lens, any interleave size).
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, CuteMLAMetadata,
+                         supports_dcp_with_varlen=True)
         spec = vllm_config.speculative_config
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
+        max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         # Allocated once, before warm-up and CUDA-graph capture: split-KV partials and the outputs that
-        # forward_mqa returns views of.
+        # forward_mqa returns views of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM).
         self.workspace = serving.make_workspace(
-            device, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            num_heads=self.num_heads, out_dtype=vllm_config.model_config.dtype)
+            device, max_num_seqs=max_num_seqs, num_speculative_tokens=num_spec,
+            num_heads=serving.check_num_heads(self.num_heads, self.dcp_world_size),
+            out_dtype=vllm_config.model_config.dtype)
         # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
         # CUTE_MLA_AUTOTUNE=1 tuned) on the first eager decode call, which vLLM makes before capturing graphs.
         # With full decode graphs the choice must not follow the step's lengths: vLLM's eager warm-up of each
         # graph size then compiles exactly what the capture runs.
-        self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.num_heads, kv_cache_spec.block_size),
+        self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.workspace.num_heads,
+                                                              kv_cache_spec.block_size),
                                                host_lengths=not compat.full_decode_graphs(vllm_config))
+        self.dcp_rank = compat.dcp_rank() if self.dcp_world_size > 1 else 0
+        max_q_len = serving.max_decode_q_len(num_spec)
+        # the per-row limits a CUDA graph reads: refreshed in place by every build
+        self.row_kv_lens_buffer = (torch.zeros(max_num_seqs * max_q_len, dtype=torch.int32, device=device)
+                                   if self.dcp_world_size > 1 and max_q_len > 1 else None)
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
+        dcp_tot_seq_lens = compat.dcp_tot_seq_lens(kwargs)
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
-                                     dcp_tot_seq_lens=compat.dcp_tot_seq_lens(kwargs), workspace=self.workspace,
-                                     max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning)
+                                     dcp_tot_seq_lens=dcp_tot_seq_lens, workspace=self.workspace,
+                                     max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
+                                     row_kv_lens=self._row_kv_lens(dcp_tot_seq_lens, seq_lens_device.shape[0],
+                                                                   kwargs))
+
+    def _row_kv_lens(self, dcp_tot_seq_lens: torch.Tensor | None, num_decodes: int,
+                     build_decode_kwargs: dict) -> torch.Tensor | None:
+        """Under DCP with q_len > 1: the keys of this rank's shard each query row sees, computed from the global
+        lengths into the persistent buffer (device ops, no host sync). None when seq_lens says it all."""
+        if self.row_kv_lens_buffer is None or num_decodes == 0:
+            return None
+        q_len = compat.decode_q_len(build_decode_kwargs, num_decodes)
+        if q_len == 1:
+            return None  # one row: it sees every local key
+        if dcp_tot_seq_lens is None or num_decodes * q_len > self.row_kv_lens_buffer.numel():
+            raise RuntimeError(f"{BACKEND_NAME}: decode batch of {num_decodes} requests x q_len {q_len} under "
+                               f"decode context parallelism does not fit the builder's per-row buffer "
+                               f"({self.row_kv_lens_buffer.numel()} rows) or has no global lengths")
+        out = self.row_kv_lens_buffer[:num_decodes * q_len].view(num_decodes, q_len)
+        return serving.dcp_row_kv_lens(dcp_tot_seq_lens[:num_decodes], q_len, self.dcp_world_size, self.dcp_rank,
+                                       self.cp_kv_cache_interleave_size, out=out)
 
 
 def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
@@ -80,8 +113,11 @@ def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
 
 
 class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
-    can_return_lse_for_decode: bool = True
+    can_return_lse_for_decode: bool = True  # so vLLM asks for the LSE under DCP and merges the ranks with it
     lse_base_on_e: bool = True  # mla_decode returns natural-log LSE
+    # row_kv_lens gives each query row its causal limit in local positions for any cp_kv_cache_interleave_size,
+    # so MTP with an interleave > 1 works (vLLM refuses that combination for impls that do not declare it)
+    supports_mtp_with_cp_non_trivial_interleave_size: bool = True
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
@@ -92,7 +128,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         serving.check_attention_features(alibi_slopes, sliding_window, logits_soft_cap)
         if attn_type != compat.AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got {attn_type}")
-        serving.check_num_heads(num_heads)
+        serving.check_num_heads(num_heads, compat.configured_dcp_size())
         serving.check_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
         # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (the kernels widen or split a
         # 16-bit q themselves, more accurately)
@@ -102,10 +138,11 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: CuteMLAMetadata, layer):
         decode = attn_metadata.decode
         assert decode is not None and decode.workspace is not None
-        # vLLM's scales are dequantisation scales (real = stored * scale), as mla_decode defines them.
+        # vLLM's scales are dequantisation scales (real = stored * scale), as mla_decode defines them. Under
+        # DCP, seq_lens are this rank's local lengths and vLLM merges the ranks' outputs with the returned LSE.
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
                                   q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
-                                  tuning=decode.tuning)
+                                  tuning=decode.tuning, row_kv_lens=decode.row_kv_lens)
 
 
 class CuteMLABackend(compat.MLACommonBackend):

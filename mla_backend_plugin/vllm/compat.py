@@ -6,6 +6,10 @@
 * ``AttentionBackend.get_supported_kernel_block_sizes`` gained an optional ``kv_cache_spec`` in 0.32.
 * ``AttentionBackend.validate_configuration`` grows keyword arguments over releases (``use_dcp``, ...).
 * ``AttentionBackendEnum`` is closed in 0.26 .. 0.31; 0.32 added ``register`` for named out-of-tree backends.
+* Decode context parallelism is the same contract throughout 0.26 .. 0.33: ``MLACommonMetadataBuilder`` takes
+  ``supports_dcp_with_varlen``, ``_build_decode`` gets ``dcp_tot_seq_lens_device`` and ``num_decode_tokens``,
+  seq_lens are the rank's local lengths, vLLM gathers q over the DCP group's heads and merges the ranks' outputs
+  with the impl's LSE (0.32 moved the collectives into ``MLADCPManager``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,31 @@ def full_decode_graphs(vllm_config) -> bool:
         return False
     decode_mode = getattr(vllm_config.compilation_config.cudagraph_mode, "decode_mode", None)
     return decode_mode is not None and decode_mode().name == "FULL"
+
+
+def decode_q_len(build_decode_kwargs: dict, num_decodes: int) -> int:
+    """The (uniform) query tokens per request of the decode batch ``_build_decode`` describes."""
+    num_tokens = build_decode_kwargs["num_decode_tokens"]
+    if num_tokens % num_decodes:
+        raise RuntimeError(f"decode batch of {num_decodes} requests has {num_tokens} tokens: q_len is not uniform")
+    return num_tokens // num_decodes
+
+
+def dcp_rank() -> int:
+    """This process's rank in the decode-context-parallel group (0 when the group is not initialised)."""
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    try:
+        return get_dcp_group().rank_in_group
+    except AssertionError:  # as vLLM's own builders: DCP may not be initialised (tests)
+        return 0
+
+
+def configured_dcp_size() -> int:
+    """decode_context_parallel_size of the config being built (the impl's own dcp_world_size is set lazily)."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().parallel_config.decode_context_parallel_size
 
 
 def has_named_backends(enum_cls) -> bool:

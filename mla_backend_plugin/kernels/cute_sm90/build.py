@@ -27,7 +27,7 @@ from mla_backend_plugin.ops.manifest import VariantResult
 def serving_variants() -> list[Variant]:
     """What DeepSeek deployments on vLLM call: bf16 q/out, bf16 or fp8 cache (vLLM passes the fp8 scale as a
     device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64; plus the other
-    page sizes, fp16 and an fp8 q at one shape each."""
+    page sizes, fp16 and an fp8 q at one shape each, and the per-row key-count variants of DCP with MTP."""
     out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8")
            for kv, h, q in itertools.product(("bf16", "fp8"), (16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("bf16", "bf16", "bf16", 128, 1, bs, False, False) for bs in (16, 32, 128)]
@@ -37,6 +37,9 @@ def serving_variants() -> list[Variant]:
     # design A of the fp8 path (CUTE_MLA_FP8_DESIGN=dequant) at the main shapes
     out += [Variant("fp8", "bf16", "bf16", 128, q, 64, False, True, fp8_mma=False) for q in (1, 2)]
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
+    # decode context parallelism with MTP (per-row key counts), 128 heads per kernel call (e.g. TP8 x DCP8)
+    out += [Variant(kv, "bf16", "bf16", 128, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8", row_kv_lens=True)
+            for kv, q in itertools.product(("bf16", "fp8"), (2, 4))]
     return out
 
 

@@ -38,6 +38,9 @@ class Variant:
     # fp8 caches only: True = "design B" (kernel_fp8mma.py: fp8 wgmma on the fp8 tile, q quantised to e4m3
     # hi + lo, V transposed in shared memory), False = "design A" (kernel.py: widen the tile to 16 bits)
     fp8_mma: bool = False
+    # True: each query row's key count is read from a [B, q_len] tensor (decode context parallelism with MTP,
+    # where the q block's own tokens are not all in this rank's cache) instead of seq_len - q_len + t + 1
+    row_kv_lens: bool = False
 
     @property
     def compute_dtype(self) -> str:
@@ -47,8 +50,9 @@ class Variant:
     def name(self) -> str:
         scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
         design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
+        rows = " row_kv_lens" if self.row_kv_lens else ""
         return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
-                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}")
+                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}")
 
 
 def m_blocks(num_heads: int, q_len: int) -> int:

@@ -81,7 +81,7 @@ class Sm90MlaDecode:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
-                 mSeq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
                  num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
@@ -136,8 +136,8 @@ class Sm90MlaDecode:
 
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
-        self.kernel(qk_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
-                    mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
+        self.kernel(qk_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mRowKv, mOut, mLse,
+                    mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
                     min_chunk, work_target, q_layout, kv_layout, p_layout, v_layout_one.inner, v_outer).launch(
             # grid (m-blocks, work items of the balanced plan): the m-blocks of one work item are adjacent in
             # launch order, so they run at the same time and all but the first read the item's KV from L2
@@ -152,7 +152,8 @@ class Sm90MlaDecode:
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor,
                mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
-               mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
+               mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
+               mQScale: cute.Tensor,
                mKVScale: cute.Tensor,
                q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
                mSplitIndex: cute.Tensor, num_splits: cutlass.Int32, min_chunk: cutlass.Int32,
@@ -209,8 +210,8 @@ class Sm90MlaDecode:
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT,
-                             mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
-                             n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                             mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
+                             sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -290,9 +291,9 @@ class Sm90MlaDecode:
         warpgroup.commit_group()
 
     @cute.jit
-    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mOut, mLse,
-                mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
-                kv_start, kv_end, n_tiles, ctid):
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mRowKv, mOut,
+                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
+                seq_len, kv_start, kv_end, n_tiles, ctid):
         H = self.v.num_heads
         QL = self.v.q_len
         cd = self.cdtype
@@ -353,12 +354,7 @@ class Sm90MlaDecode:
         for half in cutlass.range_constexpr(2):
             row_max[half] = -cutlass.Float32.inf
             row_sum[half] = 0.0
-            r = mblk * BLOCK_M + tScS[2 * half][0]
-            # causal inside the q block: token t of the request sees seq_len - q_len + t + 1 keys
-            limit = cutlass.min(seq_len - QL + 1 + r // H, kv_end)
-            if r >= rows:
-                limit = 0
-            row_limit[half] = limit
+            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + tScS[2 * half][0], seq_len, kv_end)
         lane = ctid % 32
         row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # logit scale of each row
         for half in cutlass.range_constexpr(2):
@@ -396,6 +392,24 @@ class Sm90MlaDecode:
 
         self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
                           kscale, 1.0, n_splits, b, mblk, w)
+
+    @cute.jit
+    def row_kv_limit(self, mRowKv, b, r, seq_len, kv_end):
+        """The keys query row ``r`` (q_len x heads folded) of request ``b`` sees, capped at the item's end: causal
+        inside the q block (token t sees seq_len - q_len + t + 1 keys), or, for a row_kv_lens variant, the
+        count given for (b, t) (a sharded cache under decode context parallelism), at most seq_len; 0 for the
+        padding rows past q_len * H. Shared by both designs."""
+        H = self.v.num_heads
+        QL = self.v.q_len
+        limit = seq_len - QL + 1 + r // H
+        if cutlass.const_expr(self.v.row_kv_lens):
+            limit = seq_len
+            if r < self.rows:
+                limit = cutlass.min(mRowKv[b * QL + r // H], seq_len)
+        limit = cutlass.min(limit, kv_end)
+        if r >= self.rows:
+            limit = 0
+        return limit
 
     @cute.jit
     def zero_v_rows(self, sKV, stage, first, grp, gtid):

@@ -109,7 +109,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
-                 mSeq: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
                  num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
@@ -157,7 +157,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
-        self.kernel_b(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO,
+        self.kernel_b(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mRowKv, mOut, mLse, mPartO,
                       mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
                       min_chunk, work_target, q_layout, k_layout, vt_layout, p_layout).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
@@ -168,7 +168,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel_b(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor,
-                 mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mOut: cute.Tensor,
+                 mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mRowKv: cute.Tensor,
+                 mOut: cute.Tensor,
                  mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                  mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
                  sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
@@ -216,7 +217,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                                tidx, warp_idx)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_B)
-                self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut,
+                self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mRowKv, mOut,
                                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
                                n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
@@ -397,12 +398,9 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         consumer_barrier()
 
     @cute.jit
-    def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mOut, mLse, mPartO,
-                  mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
+    def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mRowKv, mOut, mLse,
+                  mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
                   seq_len, kv_start, kv_end, n_tiles, ctid):
-        H = self.v.num_heads
-        QL = self.v.q_len
-        rows = self.rows
         grp = ctid // 128
 
         self.load_q(sQ, sQs, mQn, mQp, b, mblk, ctid)
@@ -436,11 +434,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             row_max[half] = -cutlass.Float32.inf
             row_sum[half] = 0.0
             rl = tScS[2 * half][0]
-            r = mblk * BLOCK_M + rl
-            limit = cutlass.min(seq_len - QL + 1 + r // H, kv_end)
-            if r >= rows:
-                limit = 0
-            row_limit[half] = limit
+            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + rl, seq_len, kv_end)
             row_scale[half] = scale_log2 * sQs[rl]
         lane = ctid % 32
 

@@ -75,7 +75,8 @@ def variant_for(args, config: LaunchConfig) -> Variant:
     return Variant(kv_dtype=DTYPE_NAMES[args.kv_dtype], q_dtype=DTYPE_NAMES[args.q_dtype],
                    out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
-                   kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma)
+                   kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
+                   row_kv_lens=args.row_kv_lens is not None)
 
 
 def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = None, keep_dir: str | None = None):
@@ -109,6 +110,8 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     batch = sym()
     block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
     seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
+    # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
+    row_kv_lens = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     out = make_fake_tensor(od, (tokens, H, D), (sym(), sym(), 1), assumed_align=4)
     lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
@@ -117,7 +120,7 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     op = kernel_class(variant, use_pdl=use_pdl)
-    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
+    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, row_kv_lens, out, lse, part_o, part_lse, q_scale_t,
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
                         cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
                         make_fake_stream(), options=compile_options(arch, keep_dir))
@@ -145,7 +148,8 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
-    fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, args.out, args.lse,
+    row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
+    fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
        plan.work_target, plan.grid_items, stream)

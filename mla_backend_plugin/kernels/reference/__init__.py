@@ -7,7 +7,8 @@ from mla_backend_plugin.ops.manifest import KernelManifest, LaunchConfig
 
 def _launch(args, workspace, config) -> None:
     out, lse = mla_decode_reference(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens,
-                                    args.q_len, args.softmax_scale, args.q_scale, args.kv_scale)
+                                    args.q_len, args.softmax_scale, args.q_scale, args.kv_scale,
+                                    row_kv_lens=args.row_kv_lens)
     args.out.copy_(out)
     args.lse.copy_(lse)
 
@@ -25,6 +26,7 @@ MANIFEST = KernelManifest(
     configs=lambda args, cc: [_ONLY],
     plan_tile=None,
     combine="none",
+    supports_row_kv_lens=True,
 )
 
 __all__ = ["MANIFEST", "mla_decode_reference"]

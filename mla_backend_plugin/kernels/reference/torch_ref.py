@@ -33,11 +33,13 @@ def mla_decode_reference(
     softmax_scale: float,
     q_scale=None,
     kv_scale=None,
+    row_kv_lens: torch.Tensor | None = None,  # [B, q_len] int32: keys each row sees (capped at seq_len)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B*q_len, H, 512] float32, lse [B*q_len, H] float32, natural log).
 
-    Row t (0-based) of request b attends to keys 0 .. seq_len[b] - q_len + t (inclusive). A row that sees
-    no key (seq_len < q_len, e.g. a padded request) gets out = 0 and lse = -inf.
+    Row t (0-based) of request b attends to keys 0 .. seq_len[b] - q_len + t (inclusive), or to its first
+    min(row_kv_lens[b, t], seq_len[b]) keys when ``row_kv_lens`` is given. A row that sees no key (seq_len <
+    q_len, e.g. a padded request) gets out = 0 and lse = -inf.
     """
     device = q_nope.device
     num_tokens, num_heads, _ = q_nope.shape
@@ -50,6 +52,7 @@ def mla_decode_reference(
     out = torch.zeros(num_tokens, num_heads, KV_LORA_RANK, dtype=torch.float32, device=device)
     lse = torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=device)
     seq_lens_host = seq_lens.tolist()
+    row_lens_host = row_kv_lens.tolist() if row_kv_lens is not None else None
     for b in range(batch):
         seq_len = int(seq_lens_host[b])
         if seq_len <= 0:
@@ -60,7 +63,10 @@ def mla_decode_reference(
         qb = q[b * q_len : (b + 1) * q_len]  # [q_len, H, 576]
         scores = torch.einsum("thd,sd->ths", qb, kv) * softmax_scale  # [q_len, H, S]
         key_pos = torch.arange(seq_len, device=device)
-        visible = seq_len - q_len + torch.arange(q_len, device=device) + 1  # keys each row may see
+        if row_lens_host is None:
+            visible = seq_len - q_len + torch.arange(q_len, device=device) + 1  # keys each row may see
+        else:
+            visible = torch.tensor(row_lens_host[b], device=device).clamp(max=seq_len)
         mask = key_pos[None, :] < visible[:, None]  # [q_len, S]
         scores = scores.masked_fill(~mask[:, None, :], -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)  # [q_len, H]

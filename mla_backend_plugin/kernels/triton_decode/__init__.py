@@ -17,4 +17,5 @@ MANIFEST = KernelManifest(
     plan_tile=lazy(f"{_HERE}.config", "plan_tile"),
     combine="shared",  # kernels/combine, in the layout of the config's split plan
     compile_variants=lazy(f"{_HERE}.build", "compile_variants"),
+    supports_row_kv_lens=True,
 )

@@ -42,8 +42,10 @@ def ptxas_report(ptx: str, gpu_name: str) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, sum(int(s) for s in spills) if spills else None)
 
 
-def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int, cc: int = 90):
-    """(signature pointers, constexprs, options) of one Triton split-kernel build."""
+def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int, cc: int = 90,
+                      row_kv_lens: bool = False):
+    """(signature pointers, constexprs, options) of one Triton split-kernel build (``row_kv_lens``: the variant
+    that reads per-row key counts, decode context parallelism)."""
     import triton.language as tl
 
     from mla_backend_plugin.kernels.triton_decode.config import compiler_options
@@ -51,11 +53,12 @@ def triton_split_spec(cfg, num_heads: int, q_len: int, kv_name: str, splits: int
 
     constexprs = dict(NUM_HEADS=num_heads, Q_LEN=q_len, PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       NUM_SPLITS=splits, MIN_CHUNK=128, Q_SCALE_IS_PTR=False, KV_SCALE_IS_PTR=kv_name == "fp8",
-                      D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=tl.bfloat16)
+                      D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=tl.bfloat16,
+                      HAS_ROW_KV_LENS=row_kv_lens)
     pointers = dict(q_nope_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*fp8e4nv" if kv_name == "fp8" else "*bf16",
-                    block_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
-                    part_o_ptr="*fp32", part_lse_ptr="*fp32", q_scale_ptr="*fp32", kv_scale_ptr="*fp32",
-                    q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
+                    block_table_ptr="*i32", seq_lens_ptr="*i32", row_kv_lens_ptr="*i32", out_ptr="*bf16",
+                    lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32", q_scale_ptr="*fp32",
+                    kv_scale_ptr="*fp32", q_scale_val="fp32", kv_scale_val="fp32", sm_scale="fp32")
     return pointers, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **compiler_options(cc))
 
 
@@ -78,6 +81,11 @@ def triton_variants(cc: int):
             pointers, constexprs, options = triton_split_spec(cfg, num_heads, q_len, kv_name, 32, cc)
             yield (f"triton_split_balanced h{num_heads} q{q_len} kv={kv_name}", k._mla_decode_split_balanced_kernel,
                    {**pointers, "split_index_ptr": "*i32"}, {**constexprs, "WORK": 66, "SCAN": 128}, options)
+    # per-row key counts (decode context parallelism with MTP), the default balanced plan
+    cfg = config_for(128, smem)
+    pointers, constexprs, options = triton_split_spec(cfg, 128, 2, "bf16", 32, cc, row_kv_lens=True)
+    yield ("triton_split_balanced h128 q2 kv=bf16 row_kv_lens", k._mla_decode_split_balanced_kernel,
+           {**pointers, "split_index_ptr": "*i32"}, {**constexprs, "WORK": 66, "SCAN": 128}, options)
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
     # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched as a dependent

@@ -95,11 +95,11 @@ def _balanced_item(seq_lens_ptr, batch, w, WORK: tl.constexpr, NUM_SPLITS: tl.co
 
 
 @triton.jit
-def _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
-            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok, stride_bt,
+def _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, row_kv_lens_ptr, qk_scale, b, m_blk, seq_len, start,
+            end, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok, stride_bt,
             NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
-            COMPUTE_DTYPE: tl.constexpr):
+            COMPUTE_DTYPE: tl.constexpr, HAS_ROW_KV_LENS: tl.constexpr):
     """Online softmax of BLOCK_M query rows of request b over keys [start, end): (acc, m_i, l_i), log2 domain."""
     compute_dtype: tl.constexpr = COMPUTE_DTYPE
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,8 +107,13 @@ def _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, s
     t = rows // NUM_HEADS
     h = rows % NUM_HEADS
     tok = b * Q_LEN + t
-    # causal inside the q block: row t sees seq_len - Q_LEN + t + 1 keys
-    row_kv_len = tl.where(row_ok, seq_len - Q_LEN + 1 + t, 0)
+    if HAS_ROW_KV_LENS:
+        # keys each row sees given per row (decode context parallelism: a sharded cache), at most seq_len
+        given = tl.load(row_kv_lens_ptr + b * Q_LEN + t, mask=row_ok, other=0)
+        row_kv_len = tl.where(row_ok, tl.minimum(given, seq_len), 0)
+    else:
+        # causal inside the q block: row t sees seq_len - Q_LEN + t + 1 keys
+        row_kv_len = tl.where(row_ok, seq_len - Q_LEN + 1 + t, 0)
 
     offs_dn = tl.arange(0, D_NOPE)
     offs_dp = tl.arange(0, D_PE)
@@ -199,7 +204,7 @@ def _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, slot_row0, m_blk, NU
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, row_kv_lens_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
@@ -208,7 +213,7 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
     Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_ROW_KV_LENS: tl.constexpr,
 ):
     """Uniform plan: grid (B, m_blocks, NUM_SPLITS); part = (b * Q_LEN * H + row) * NUM_SPLITS + split."""
     b = tl.program_id(0)
@@ -223,9 +228,10 @@ def _mla_decode_split_kernel(
                                  Q_SCALE_IS_PTR, KV_SCALE_IS_PTR)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
-                            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok,
-                            stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE, COMPUTE_DTYPE)
+    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, row_kv_lens_ptr, qk_scale, b, m_blk,
+                            seq_len, start, end, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk,
+                            stride_kv_tok, stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE,
+                            COMPUTE_DTYPE, HAS_ROW_KV_LENS)
     if NUM_SPLITS == 1:
         _store_final(out_ptr, lse_ptr, acc, m_i, l_i, kv_scale, b, m_blk, stride_o_t, stride_o_h, stride_lse_t,
                      stride_lse_h, NUM_HEADS, Q_LEN, BLOCK_M, D_NOPE)
@@ -236,7 +242,7 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_decode_split_balanced_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr,
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, row_kv_lens_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr,
     q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, sm_scale, batch,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
@@ -246,7 +252,7 @@ def _mla_decode_split_balanced_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
     WORK: tl.constexpr, SCAN: tl.constexpr,
     Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_ROW_KV_LENS: tl.constexpr,
 ):
     """Balanced plan (ops/workspace.py balanced_schedule): grid (m_blocks, G work items); a split item w stores
     its partial to slot w (part = w * Q_LEN * H + row), an unsplit one writes the output."""
@@ -269,9 +275,10 @@ def _mla_decode_split_balanced_kernel(
                                  Q_SCALE_IS_PTR, KV_SCALE_IS_PTR)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, qk_scale, b, m_blk, seq_len, start, end,
-                            stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk, stride_kv_tok,
-                            stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE, COMPUTE_DTYPE)
+    acc, m_i, l_i = _attend(q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, row_kv_lens_ptr, qk_scale, b, m_blk,
+                            seq_len, start, end, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_blk,
+                            stride_kv_tok, stride_bt, NUM_HEADS, Q_LEN, PAGE_SIZE, BLOCK_M, BLOCK_N, D_NOPE, D_PE,
+                            COMPUTE_DTYPE, HAS_ROW_KV_LENS)
     if n_splits > 1:
         _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, w * (Q_LEN * NUM_HEADS), m_blk, NUM_HEADS, Q_LEN,
                        BLOCK_M, D_NOPE, 1)
@@ -313,21 +320,24 @@ def launch(args, workspace, config) -> None:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk,
         Q_SCALE_IS_PTR=q_is_ptr, KV_SCALE_IS_PTR=kv_is_ptr,
         D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_HEAD_DIM, COMPUTE_DTYPE=_COMPUTE_DTYPE[args.compute_dtype],
+        HAS_ROW_KV_LENS=args.row_kv_lens is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_compiler_options(args.q_nope.device),
     )
+    # never read without row_kv_lens (compiled out), but Triton needs a pointer
+    row_kv_lens = args.row_kv_lens if args.row_kv_lens is not None else args.seq_lens
     strides = (args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
                kv.stride(0), kv.stride(1), args.block_table.stride(0),
                out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     if plan.balanced:
         _mla_decode_split_balanced_kernel[(m_blocks, plan.grid_items)](
-            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
+            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens, row_kv_lens,
             out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index,
             q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, batch, *strides,
             WORK=plan.work_target, SCAN=min(1024, max(16, triton.next_power_of_2(batch))), **common,
         )
     else:
         _mla_decode_split_kernel[(batch, m_blocks, plan.num_splits)](
-            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens,
+            args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens, row_kv_lens,
             out, lse, workspace.partial_out, workspace.partial_lse,
             q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, *strides, **common,
         )

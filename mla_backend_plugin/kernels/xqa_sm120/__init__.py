@@ -22,4 +22,5 @@ MANIFEST = KernelManifest(
     plan_tile=lazy(f"{_HERE}.launch", "plan_tile"),
     combine="own",  # its own combine kernel, uniform-plan layout (csrc/xqa_mla)
     compile_variants=lazy(f"{_HERE}.build", "compile_variants"),
+    supports_row_kv_lens=True,
 )

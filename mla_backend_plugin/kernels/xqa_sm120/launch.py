@@ -39,8 +39,8 @@ class XqaMlaParams(ctypes.Structure):
     """Mirror of ``struct XqaMlaParams`` in csrc/xqa_mla/xqa_mla_params.h (same order, no padding)."""
 
     _fields_ = (
-        [(n, ctypes.c_void_p) for n in ("q_nope", "q_pe", "kv", "block_table", "seq_lens", "out", "lse",
-                                          "part_out", "part_lse", "q_scale_ptr", "kv_scale_ptr")]
+        [(n, ctypes.c_void_p) for n in ("q_nope", "q_pe", "kv", "block_table", "seq_lens", "row_kv_lens", "out",
+                                          "lse", "part_out", "part_lse", "q_scale_ptr", "kv_scale_ptr")]
         + [(n, ctypes.c_int64) for n in ("stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h",
                                          "stride_kv_blk_bytes", "stride_kv_tok_bytes", "stride_bt",
                                          "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h")]
@@ -222,7 +222,8 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     out_vec2 = out.data_ptr() % 4 == 0 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
     p = XqaMlaParams(
         args.q_nope.data_ptr(), args.q_pe.data_ptr(), kv.data_ptr(), args.block_table.data_ptr(),
-        args.seq_lens.data_ptr(), out.data_ptr(), lse.data_ptr(), workspace.partial_out.data_ptr(),
+        args.seq_lens.data_ptr(), args.row_kv_lens.data_ptr() if args.row_kv_lens is not None else 0,
+        out.data_ptr(), lse.data_ptr(), workspace.partial_out.data_ptr(),
         workspace.partial_lse.data_ptr(), q_ptr, kv_ptr,
         args.q_nope.stride(0), args.q_nope.stride(1), args.q_pe.stride(0), args.q_pe.stride(1),
         kv.stride(0) * kv.element_size(), kv.stride(1) * kv.element_size(), args.block_table.stride(0),
