@@ -33,12 +33,13 @@ KernelSpec = KernelManifest
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
 # On SM90 the CuTe kernel is faster than Triton (benchmarks/NOTES.md); xqa_sm120 is not (it runs on SM90 only for
-# testing). On SM120/121 xqa_sm120 is the kernel written for them (99 KB of shared memory, mma.sync); neither it
-# nor Triton has run on SM120 hardware, so both pass the first-use self-check before they are used there.
+# testing). On SM100/103 cute_sm100 is the kernel written for them (tcgen05 2-CTA MMA, TMEM); on SM120/121 xqa_sm120
+# (99 KB of shared memory, mma.sync). None of these three has run on its hardware, so each passes the first-use
+# self-check before it is used there (Triton too).
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
     9: ("cute_sm90", "triton"),
-    10: ("triton",),
+    10: ("cute_sm100", "triton"),
     12: ("xqa_sm120", "triton"),
 }
 

@@ -62,9 +62,13 @@ Q_FP8_TARGET = 448.0  # per-row q scale of the hi + lo split: max |q_row| -> 448
 
 # ---- shared memory ----
 SMEM_LIMIT = 232_448  # opt-in shared memory per block on SM100/SM103 (227 KB)
-SMEM_HEADER = 3072  # mbarriers, TMEM address, row exchange, rescale factors, final row stats, q scales
-SMEM_MARGIN = 8192  # kept free: the DSL's struct layout rounds and aligns
+SMEM_RESERVED = 1024  # the DSL's reserved region (cuobjdump: SHARED:1024 static), outside the kernel's struct
+SMEM_MARGIN = 4096  # kept free
 MAX_KV_STAGES = 48
+# the struct's small fields (bytes): TMEM address, row max/sum exchange (2 x 128 fp32), rescale factors
+# (COR_STAGES x 64), final row max and sum and per-row q scale (3 x 64); mbarriers are counted per stage
+SMEM_SMALL_FIELDS = 4 + 4 * (2 * 128 + COR_STAGES * 64 + 3 * 64)
+SMEM_FIXED_MBARRIERS = 2 + 2 * S_STAGES + 2 * P_STAGES + 2 * COR_STAGES + 2 * O_STAGES + 1  # + 2 per KV stage
 
 LOG2E = 1.4426950408889634
 
@@ -127,15 +131,33 @@ def p_bytes(variant: Variant) -> int:
     return P_STAGES * CTA_ROWS * BLOCK_N * ELEM_BYTES[variant.kv_dtype]
 
 
+def header_bytes(stages: int) -> int:
+    """mbarriers and the small fields, padded to the 1 KB alignment of Q (the swizzle atom)."""
+    raw = 8 * (SMEM_FIXED_MBARRIERS + 2 * stages) + SMEM_SMALL_FIELDS
+    return -(-raw // 1024) * 1024
+
+
+def _dynamic_bytes(variant: Variant, stages: int) -> int:
+    return header_bytes(stages) + q_bytes(variant) + p_bytes(variant) + stages * stage_bytes(variant)
+
+
 def kv_stages(variant: Variant) -> int:
-    """KV ring depth: what is left of SMEM_LIMIT after Q, P, the header and a margin."""
-    free = SMEM_LIMIT - SMEM_HEADER - SMEM_MARGIN - q_bytes(variant) - p_bytes(variant)
-    return min(MAX_KV_STAGES, free // stage_bytes(variant))
+    """KV ring depth: the most stages that leave SMEM_MARGIN of the per-block limit free."""
+    stages = MAX_KV_STAGES
+    while SMEM_RESERVED + _dynamic_bytes(variant, stages) + SMEM_MARGIN > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+def dynamic_shared_bytes(variant: Variant) -> int:
+    """The kernel's shared-storage struct (header, Q, P, KV ring; each big buffer 1 KB aligned). The kernel checks
+    at trace time that the DSL lays it out in exactly this many bytes."""
+    return _dynamic_bytes(variant, kv_stages(variant))
 
 
 def shared_bytes(variant: Variant) -> int:
-    """Dynamic shared memory of one CTA (header, Q, P, KV ring; each 1 KB aligned)."""
-    return SMEM_HEADER + q_bytes(variant) + p_bytes(variant) + kv_stages(variant) * stage_bytes(variant)
+    """Shared memory of one CTA: the struct plus the DSL's reserved region."""
+    return SMEM_RESERVED + dynamic_shared_bytes(variant)
 
 
 def tmem_columns() -> int:

@@ -64,6 +64,7 @@ from mla_backend_plugin.kernels.cute_sm100.config import (
     V_KEYS,
     V_STAGES_PER_TILE,
     Variant,
+    dynamic_shared_bytes,
     kv_stages,
     rescale_threshold,
     stage_bytes,
@@ -138,6 +139,7 @@ class Sm100MlaDecode:
         check_same_bytes("P", p_layout, p_view, CTA_ROWS, BLOCK_N, P_STAGES)
         check_same_bytes("V", v_layout, v_view, D_TILE // CLUSTER, V_KEYS, self.stages)
         check_same_size(k_layout, v_layout)
+        check_tmem_lane_map(qk_mma, pv_mma)
 
         # TMA: K boxes (rb keys x 64 columns) from the (block_size, 576, pages) view; V boxes (vw columns x
         # keys) from the MN view of the first 512 columns; V tails in boxes of 8 and 1 keys
@@ -177,6 +179,7 @@ class Sm100MlaDecode:
             sKV: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(k_layout)], 1024]
 
         self.shared_storage = SharedStorage
+        check_shared_bytes(SharedStorage.size_in_bytes(), dynamic_shared_bytes(self.v))
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel(qk_mma, pv_mma, tma_k, tma_k_t, tma_v, tma_v_t, tma_v8, tma_v8_t, tma_v1, tma_v1_t,
                     mQn, mQp, mKV, mBT, mSeq, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale,
@@ -615,10 +618,12 @@ class Sm100MlaDecode:
             pipes.cor.producer_commit(c_state)
             c_state.advance()
 
-        # the row's final maximum and sum (both halves) for the epilogue
-        sRowX[tidx] = l_run
+        # the row's final maximum and sum (both halves) for the epilogue, through the exchange buffer the last
+        # tile did not use (the partner may still be reading the other)
+        buf = (n_tiles % 2) * SOFTMAX_THREADS
+        sRowX[buf + tidx] = l_run
         row_bar.arrive_and_wait()
-        l_total = l_run + sRowX[tidx ^ CTA_ROWS]
+        l_total = l_run + sRowX[buf + (tidx ^ CTA_ROWS)]
         if half == 0:
             sFinalM[row] = m_run
             sFinalL[row] = l_total
@@ -848,6 +853,39 @@ class Sm100Pipes:
     p: Any
     cor: Any
     o: Any
+
+
+def tmem_load_copy(mma, tile_mn):
+    """The 32x32b, 32-column TMEM load of one accumulator tile (``tile_mn`` of the pair): thread t of a warp
+    group reads TMEM lane t."""
+    acc = mma.make_fragment_C(mma.partition_shape_C(tile_mn))
+    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), cutlass.Float32)
+    return tcgen05.make_tmem_copy(atom, acc[((None, None), 0, 0)])
+
+
+def check_tmem_lane_map(qk_mma, pv_mma) -> None:
+    """At trace time: the softmax and correction warps rely on data-path layout B: thread t holds row t % 64 of
+    its CTA and the columns 64 (t // 64) .. (S, 128 keys) or 128 (t // 64) .. (an O tile of 256 columns), in
+    ascending order, 32 per load. Checked on the tiled copies the kernel uses, for every thread."""
+    for mma, cols in ((qk_mma, BLOCK_N), (pv_mma, D_TILE)):
+        tiled = tmem_load_copy(mma, (BLOCK_M, cols))
+        coords = cute.make_identity_tensor((CTA_ROWS, cols))
+        half = cols // 2
+        for t in range(SOFTMAX_THREADS):
+            c = tiled.get_slice(t).partition_D(coords)
+            for q in range(half // 32):
+                for i in (0, 31):
+                    got = c[(i, 0, q)]
+                    want = (t % CTA_ROWS, half * (t // CTA_ROWS) + 32 * q + i)
+                    if tuple(got) != want:
+                        raise ValueError(f"TMEM lane map: thread {t} value {i} of chunk {q} holds {got}, "
+                                         f"the kernel assumes {want}")
+
+
+def check_shared_bytes(struct_bytes: int, planned: int) -> None:
+    """At trace time: config.py's budget (what the CPU tests hold to the limit) is the struct the kernel gets."""
+    if struct_bytes != planned:
+        raise ValueError(f"shared storage is {struct_bytes} B but config.dynamic_shared_bytes plans {planned} B")
 
 
 def check_same_size(k_layout, v_layout) -> None:

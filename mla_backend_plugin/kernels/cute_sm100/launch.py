@@ -38,7 +38,7 @@ def unsupported_reason(args, cc) -> str | None:
     if arch is None:
         return (f"is built for sm_100a / sm_103a (B200, GB200, B300, GB300) only, device has compute capability "
                 f"{cc[0]}.{cc[1]}")
-    why = aligned_rows_reason(args)
+    why = aligned_rows_reason(args) or out_rows_reason(args.out)
     if why:
         return why
     missing = dsl_missing()
@@ -47,6 +47,13 @@ def unsupported_reason(args, cc) -> str | None:
         why = AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, arch)
         if why:
             return f"{missing} and no prebuilt library can be used: {why}; {AOT.prebuild_hint(arch)}"
+    return None
+
+
+def out_rows_reason(out) -> str | None:
+    """The epilogue writes 16-byte vectors: out needs 16-byte aligned rows."""
+    if out.data_ptr() % 16 or any(s % (16 // out.element_size()) for s in out.stride()[:-1]):
+        return f"out needs 16-byte aligned rows (strides {out.stride()}, {out.element_size()}-byte elements)"
     return None
 
 
@@ -100,7 +107,7 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = "sm_100a
     batch = sym()
     block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
     seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
-    out = make_fake_tensor(od, (tokens, H, D), (sym(), sym(), 1), assumed_align=4)
+    out = make_fake_tensor(od, (tokens, H, D), (sym(8), sym(8), 1), assumed_align=16)  # 16-byte stores
     lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
