@@ -68,5 +68,5 @@ class Sm100DecodeBarrier(enum.IntEnum):
     SYNC_THREADS = 0  # reserved: __syncthreads
     TMEM_PTR = 1  # MMA warp (allocates) + softmax and correction warp groups (read the TMEM address): 288
     SOFTMAX_ROWS = 2  # the softmax warp group: row maxima and sums exchanged between lanes t and t ^ 64: 128
-    Q_READY = 3  # correction warps wrote Q's per-row scales -> softmax warps may read them: 256
-    FINAL_STATS = 4  # softmax warps wrote each row's final max and sum -> correction warps' epilogue: 256
+    Q_READY = 3  # correction warps (arrive) wrote Q's per-row scales -> softmax warps (wait) read them: 256
+    FINAL_STATS = 4  # softmax warps (arrive) wrote each row's final max and sum -> correction warps (wait): 256

@@ -696,8 +696,10 @@ class Sm100MlaDecode:
         else:
             if ctid < CTA_ROWS:
                 sQs[ctid] = 1.0
+        # the per-row q scales are written: signal the softmax warps (they wait; we do not, so the order of this
+        # barrier and TMEM_PTR below cannot deadlock the two warp groups)
         pipeline.NamedBarrier(barrier_id=int(Bar.Q_READY), num_threads=SOFTMAX_THREADS + CORRECTION_THREADS
-                              ).arrive_and_wait()
+                              ).arrive()
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(cutlass.Float32)
         _, tOtO = self.tmem_tensors(pv_mma, pv_mma, tmem_ptr, o_only=True)
