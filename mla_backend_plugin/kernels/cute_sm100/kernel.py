@@ -18,7 +18,10 @@ Design and budgets: docs/design/sm100_cute_mla.md. In short:
 * Split items write fp32 partials to their slot of the workspace (kernels/combine merges them); PDL waits
   before the first global read.
 
-Nothing here has run on a Blackwell GPU; what is checked without one is in cute_sm100/build.py.
+Checked at trace time (every compile): each MMA shared-memory layout and the (row, column) view that thread
+stores and TMA boxes use address the same bytes; every thread's TMEM lane / column map is the one the softmax and
+epilogue assume; the shared-storage struct is config.dynamic_shared_bytes. Nothing here has run on a Blackwell GPU;
+what is checked without one is listed in cute_sm100/build.py.
 """
 
 from __future__ import annotations
