@@ -371,3 +371,32 @@ def test_fp8_model_is_no_less_accurate_than_flashinfers_rounding(seed):
     # a bf16 q kept as hi + lo: several times closer than an e4m3 q
     assert 2 * err["ours_hilo"] < err["flashinfer"] and 2 * mean["ours_hilo"] < mean["flashinfer"], (err, mean)
     assert err["ours_hilo"] < 0.15 * 0.5, err  # well inside the fp8 tolerance (atol 0.15)
+
+
+# ---- launch(): what reaches the compiled function (the kernel itself replaced by a recorder) ----
+
+@dsl_only
+def test_launch_passes_the_plan_scales_and_buffers(monkeypatch):
+    from mla_backend_plugin.kernels.combine import kernel as combine_kernel
+
+    calls, combines = [], []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl, arch: lambda *a: calls.append((variant, pdl, arch, a)))
+    monkeypatch.setattr(combine_kernel, "launch_combine", lambda *a, **k: combines.append((a, k)))
+    lens = [33_000, 40, 700]
+    args = prepare_args(torch.zeros(3, 128, 576, dtype=torch.bfloat16), torch.zeros(600, 64, 576, dtype=FP8_DTYPE),
+                        torch.zeros(3, 520, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                        softmax_scale=0.25, kv_scale=torch.tensor([3.0]), out_dtype=torch.bfloat16)
+    ws = MLAWorkspace("cpu", max_batch=4, max_q_len=1, num_heads=128, num_sms=148, plan_rows=(64,))
+    launch.launch(args, ws, LaunchConfig(enable_pdl=False))
+    (variant, pdl, arch, a), = calls
+    assert (arch, pdl) == ("sm_103a", False) and variant.kv_dtype == "fp8" and variant.kv_scale_is_ptr
+    assert a[0] is args.q_nope and a[2] is args.kv_cache and a[5] is args.out and a[7] is ws.partial_out
+    assert a[10] is args.kv_scale and a[12] == 1.0  # the device scale is read in the kernel, its value is 1
+    assert a[13] == pytest.approx(0.25 * config.LOG2E) and a[14] is ws.split_index
+    plan = ws.plan(3, 1, balanced=True, rows_per_cta=64)
+    assert a[15:19] == (plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items)
+    assert len(combines) == 1 and combines[0][0][3] == config.BLOCK_N  # the 33k-token request is split
+    with pytest.raises(ValueError, match="split_plan must be 'balanced'"):
+        launch.launch(args, ws, LaunchConfig(split_plan="uniform"))
