@@ -382,7 +382,8 @@ def test_launch_passes_the_plan_scales_and_buffers(monkeypatch):
     calls, combines = [], []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
-    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl, arch: lambda *a: calls.append((variant, pdl, arch, a)))
+    monkeypatch.setattr(launch, "_compiled",
+                        lambda variant, pdl, arch: lambda *a: calls.append((variant, pdl, arch, a)))
     monkeypatch.setattr(combine_kernel, "launch_combine", lambda *a, **k: combines.append((a, k)))
     lens = [33_000, 40, 700]
     args = prepare_args(torch.zeros(3, 128, 576, dtype=torch.bfloat16), torch.zeros(600, 64, 576, dtype=FP8_DTYPE),
