@@ -105,7 +105,8 @@ def _name_list(name: str, raw: str) -> tuple[str, ...]:
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_KERNEL", "auto",
            "Decode kernel for `kernel=\"auto\"` calls and the vLLM/SGLang backends: `auto`, or a kernel name "
-           "(`cute_sm90`, `triton`, `xqa_sm120`, `reference`). An explicit `mla_decode(kernel=...)` wins."),
+           "(`cute_sm90`, `cute_sm100`, `triton`, `xqa_sm120`, `reference`). An explicit "
+           "`mla_decode(kernel=...)` wins."),
     EnvVar("CUTE_MLA_PDL", True,
            "Programmatic dependent launch (SM90+): `0` launches every kernel without it. Default of "
            "`mla_decode(enable_pdl=None)`.", kind="bool"),

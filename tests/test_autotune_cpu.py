@@ -102,7 +102,7 @@ def test_shape_key_of_a_call():
 def test_candidate_kernels_per_arch_and_from_the_environment(monkeypatch):
     monkeypatch.delenv("CUTE_MLA_CANDIDATES", raising=False)
     assert autotune.candidate_kernels((9, 0)) == ["cute_sm90", "triton"]
-    assert autotune.candidate_kernels((10, 0)) == ["flashinfer_cute_dsl", "triton", "flashinfer_trtllm"]
+    assert autotune.candidate_kernels((10, 0)) == ["flashinfer_cute_dsl", "cute_sm100", "triton", "flashinfer_trtllm"]
     assert autotune.candidate_kernels(None) == []
     monkeypatch.setenv("CUTE_MLA_CANDIDATES", "+xqa_sm120")
     assert autotune.candidate_kernels((9, 0)) == ["cute_sm90", "triton", "xqa_sm120"]

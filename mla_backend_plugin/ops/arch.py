@@ -27,6 +27,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("sm_89", (8, 9), 101_376, "L4, L40S, RTX 40xx"),
     Arch("sm_90a", (9, 0), 232_448, "H100, H200"),
     Arch("sm_100a", (10, 0), 232_448, "B200, GB200"),
+    Arch("sm_103a", (10, 3), 232_448, "B300, GB300"),
     Arch("sm_120a", (12, 0), 101_376, "RTX 50xx, RTX PRO 6000"),
     Arch("sm_121a", (12, 1), 101_376, "DGX Spark (GB10)"),
 )}

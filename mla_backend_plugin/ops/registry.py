@@ -35,16 +35,18 @@ KernelSpec = KernelManifest
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
 # On SM90 the CuTe kernel is faster than Triton (benchmarks/NOTES.md); xqa_sm120 is not (it runs on SM90 only for
-# testing). On SM100/103 FlashInfer's CuTe-DSL MLA decode (kernels/flashinfer; every vLLM 0.26 install has
-# flashinfer-python) comes before our Triton fallback; it refuses what it cannot run (an fp8 cache with a 16-bit q,
-# device-tensor scales, fp16 output) and, never run here, must pass the self-check first. FlashInfer's trtllm-gen
-# kernel is a tuner candidate only (it downloads its cubins when they are not installed). On SM120/121 xqa_sm120
-# is the kernel written for them (99 KB of shared memory, mma.sync); neither it nor Triton has run on SM120
-# hardware, so both pass the first-use self-check before they are used there.
+# testing). On SM100/103 two CuTe-DSL Blackwell kernels: FlashInfer's MLA decode (kernels/flashinfer; every vLLM
+# 0.26 install has flashinfer-python; its authors publish B200 numbers) first where it runs, and cute_sm100 (ours,
+# tcgen05 2-CTA MMA, TMEM) for what FlashInfer refuses (an fp8 cache with a 16-bit q, device-tensor scales, fp16
+# output): none has run on Blackwell hardware here, so each passes the first-use self-check first, and the
+# autotuner ranks them where it has timed a shape. FlashInfer's trtllm-gen kernel is a tuner candidate only (it
+# downloads its cubins when they are not installed). On SM120/121 xqa_sm120 is the kernel written for them (99 KB
+# of shared memory, mma.sync); neither it nor Triton has run on SM120 hardware, so both pass the first-use
+# self-check before they are used there.
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
     9: ("cute_sm90", "triton"),
-    10: ("flashinfer_cute_dsl", "triton"),
+    10: ("flashinfer_cute_dsl", "cute_sm100", "triton"),
     12: ("xqa_sm120", "triton"),
 }
 

@@ -1,10 +1,11 @@
-"""Pieces every CuTe-DSL decode family shares (cute_sm90 today; the Blackwell family next).
+"""Pieces every CuTe-DSL decode family shares (cute_sm90 and the Blackwell family cute_sm100).
 
 Host side, importable without the DSL (a host that only loads prebuilt kernels has no cutlass):
 
 * ``aot.py``: the on-disk cache of exported kernels (TVM-FFI libraries), generic over families, keyed by a
   fingerprint of the family's folder and this one;
-* ``host.py``: dtype names, the DSL-availability check, the launch-time form of the q/kv scales.
+* ``host.py``: dtype names, the DSL-availability check, the launch-time form of the q/kv scales;
+* ``sass.py``: the SASS and resource usage of a cubin for the builds' checks (an nvdisasm that decodes the arch).
 
 Device side (import cutlass):
 

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from mla_backend_plugin import envs
@@ -223,6 +224,20 @@ class AotCache:
             os.replace(tmp_meta, os.path.join(d, META_NAME))
         _prebuilt_cached.cache_clear()
         return os.path.join(d, self.library_name)
+
+    def export_for_build(self, compiled, variant, use_pdl: bool, arch: str) -> None:
+        """What ``python -m mla_backend_plugin.compile`` does after each variant: pre-build it for serving (a GPU
+        host then loads it instead of compiling; no DSL needed there). Does nothing with the cache off; a
+        failure raises when the export was asked for (``--export-dir`` / CUTE_MLA_CUTE_CACHE set), else warns."""
+        if cache_root() is None:
+            return
+        try:
+            self.export(compiled, variant, use_pdl, arch)
+        except Exception as e:
+            if os.environ.get(envs.VARIABLES[CACHE_ENV_VAR].name, "").strip():
+                raise RuntimeError(f"export to {cache_root()} failed: {e}") from e
+            warnings.warn(f"{self.family}: could not export {variant.name} to {cache_root()}: {e}", RuntimeWarning,
+                          stacklevel=2)
 
     def load_path(self, path: str):
         import tvm_ffi

@@ -25,6 +25,16 @@ class Sm90DecodeBarrier(enum.IntEnum):
     CONSUMERS = 1  # the two consumer warp groups (256 threads): Q in smem, row maxima posted, P written, sums
 
 
+class Sm100DecodeBarrier(enum.IntEnum):
+    """Named barriers of the SM100 decode kernel (one CTA of the pair each)."""
+
+    SYNC_THREADS = 0  # reserved: __syncthreads
+    TMEM_PTR = 1  # MMA warp (allocates) + softmax and correction warp groups (read the TMEM address): 288
+    SOFTMAX_ROWS = 2  # the softmax warp group: row maxima and sums exchanged between lanes t and t ^ 64: 128
+    Q_READY = 3  # correction warps (arrive) wrote Q's per-row scales -> softmax warps (wait) read them: 256
+    FINAL_STATS = 4  # softmax warps (arrive) wrote each row's final max and sum -> correction warps (wait): 256
+
+
 def consumer_barrier(num_threads: int = 256) -> None:
     """Both SM90 consumer warp groups meet."""
     cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.CONSUMERS), number_of_threads=num_threads)
@@ -60,3 +70,4 @@ class MbarrierRing:
 
     def arrive_expect_tx(self, j, nbytes: int) -> None:
         cute.arch.mbarrier_arrive_and_expect_tx(self.slot(j), nbytes)
+

@@ -9,15 +9,12 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 
-from mla_backend_plugin import envs
-from mla_backend_plugin.kernels.cute_common import aot
+from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT
@@ -44,18 +41,7 @@ def serving_variants() -> list[Variant]:
 
 
 def _cuobjdump() -> str:
-    try:
-        import triton.backends.nvidia as nvidia_backend
-
-        bundled = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
-        if os.path.exists(bundled):
-            return bundled
-    except ImportError:
-        pass
-    found = shutil.which("cuobjdump")
-    if found is None:
-        raise RuntimeError("cuobjdump not found (Triton's bundled one or the CUDA toolkit's)")
-    return found
+    return sass_tools.find_cuobjdump()
 
 
 def inspect_cubin(path: str) -> dict:
@@ -68,20 +54,6 @@ def inspect_cubin(path: str) -> dict:
                 hgmma=len(re.findall(r"\bHGMMA\.", sass)), qgmma=len(re.findall(r"\bQGMMA\.", sass)),
                 utmaldg=len(re.findall(r"\bUTMALDG", sass)),
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
-
-
-def _export(compiled, variant: Variant, use_pdl: bool, arch: str) -> None:
-    """Pre-build for serving: a GPU host then loads the library instead of compiling (no DSL needed there).
-    A failure fails the variant only when the export was asked for (``--export-dir`` / CUTE_MLA_CUTE_CACHE)."""
-    if aot.cache_root() is None:
-        return
-    try:
-        AOT.export(compiled, variant, use_pdl, arch)
-    except Exception as e:
-        if os.environ.get(envs.VARIABLES[aot.CACHE_ENV_VAR].name, "").strip():
-            raise RuntimeError(f"export to {aot.cache_root()} failed: {e}") from e
-        warnings.warn(f"cute_sm90: could not export {variant.name} to {aot.cache_root()}: {e}", RuntimeWarning,
-                      stacklevel=2)
 
 
 def _build_one(variant: Variant, arch: str):
@@ -98,7 +70,7 @@ def _build_one(variant: Variant, arch: str):
             with open(path, "wb") as f:
                 f.write(cubin)
             info = inspect_cubin(path)
-            _export(compiled, variant, True, arch)
+            AOT.export_for_build(compiled, variant, True, arch)
         except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
             return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)

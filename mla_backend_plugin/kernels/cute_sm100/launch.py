@@ -1,0 +1,150 @@
+"""Host side of the CuTe-DSL SM100 decode kernel: support checks, launch configs, the compile cache, the launch.
+
+Importable without cutlass (the registry asks ``unsupported_reason`` on any machine); the DSL is imported on
+first compile. Each variant (config.Variant) is compiled once per process for the device's arch (sm_100a or
+sm_103a) with fake tensors whose batch, lengths and strides are symbolic, so one binary serves every batch and
+cache size; the on-disk cache (cute_common/aot.py) keeps it across processes and hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_cache_or_jit
+from mla_backend_plugin.kernels.cute_common.host import (
+    DTYPE_NAMES,
+    aligned_rows_reason,
+    dsl_missing,
+    scale_launch_args,
+)
+from mla_backend_plugin.kernels.cute_sm100.config import BLOCK_N, CTA_ROWS, Variant, softmax_scale_log2
+from mla_backend_plugin.ops.constants import KV_LORA_RANK
+from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
+
+# compute capability -> the arch the variant is compiled for (the cubins differ: sm_103a's exp2 and MMA paths)
+ARCH_BY_CC = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
+AOT = AotCache.for_family("cute_sm100", "mla_decode_sm100", os.path.dirname(os.path.abspath(__file__)))
+
+
+def unsupported_reason(args, cc) -> str | None:
+    if cc is None:
+        return "needs a CUDA device"
+    arch = ARCH_BY_CC.get(tuple(cc))
+    if arch is None:
+        return (f"is built for sm_100a / sm_103a (B200, GB200, B300, GB300) only, device has compute capability "
+                f"{cc[0]}.{cc[1]}")
+    why = aligned_rows_reason(args) or out_rows_reason(args.out)
+    if why:
+        return why
+    missing = dsl_missing()
+    if missing:  # no JIT here: only a prebuilt library of the default variant can run (cute_common/aot.py)
+        config = default_config(args, cc)
+        why = AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, arch)
+        if why:
+            return f"{missing} and no prebuilt library can be used: {why}; {AOT.prebuild_hint(arch)}"
+    return None
+
+
+def out_rows_reason(out) -> str | None:
+    """The epilogue writes 16-byte vectors: out needs 16-byte aligned rows."""
+    if out.data_ptr() % 16 or any(s % (16 // out.element_size()) for s in out.stride()[:-1]):
+        return f"out needs 16-byte aligned rows (strides {out.stride()}, {out.element_size()}-byte elements)"
+    return None
+
+
+def default_config(args, cc) -> LaunchConfig:
+    return LaunchConfig(split_plan="balanced", enable_pdl=envs.CUTE_MLA_PDL)
+
+
+def configs(args, cc) -> list[LaunchConfig]:
+    """The default, then PDL toggled, then a larger split cap."""
+    first = default_config(args, cc)
+    out = [first, LaunchConfig(enable_pdl=not first.enable_pdl)]
+    out += [LaunchConfig(enable_pdl=c.enable_pdl, max_splits=64) for c in list(out)]
+    return list(dict.fromkeys(out))
+
+
+def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
+    """64 rows per CTA (a pair owns 128), 128-key tiles: the balanced plan's unit (docs/design/sm100_cute_mla.md
+    section 2)."""
+    return PlanTile(rows_per_cta=CTA_ROWS, block_n=BLOCK_N)
+
+
+def variant_for(args, config: LaunchConfig) -> Variant:
+    return Variant(kv_dtype=DTYPE_NAMES[args.kv_dtype], q_dtype=DTYPE_NAMES[args.q_dtype],
+                   out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
+                   block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
+                   kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor))
+
+
+def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = "sm_100a", keep_dir: str | None = None):
+    """Compile one variant with symbolic sizes for ``arch`` (no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from mla_backend_plugin.kernels.cute_common.compat import compile_options
+    from mla_backend_plugin.kernels.cute_sm100.kernel import DTYPES, Sm100MlaDecode
+
+    def sym(div=1):
+        return cute.sym_int(divisibility=div)
+
+    qd, kvd, od = DTYPES[variant.q_dtype], DTYPES[variant.kv_dtype], DTYPES[variant.out_dtype]
+    q_align = 16 // (qd.width // 8)
+    kv_align = 16 // (kvd.width // 8)
+    H, D = variant.num_heads, KV_LORA_RANK
+    tokens = sym()
+    q_nope = make_fake_tensor(qd, (tokens, H, D), (sym(q_align), sym(q_align), 1), assumed_align=16)
+    q_pe = make_fake_tensor(qd, (tokens, H, 64), (sym(q_align), sym(q_align), 1), assumed_align=16)
+    # 64-bit page stride: a cache past 2 GiB (B=128 x 32k tokens of fp8) overflows 32-bit offsets
+    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576),
+                          (cute.sym_int(64, divisibility=kv_align), sym(kv_align), 1), assumed_align=16)
+    batch = sym()
+    block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
+    seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
+    out = make_fake_tensor(od, (tokens, H, D), (sym(8), sym(8), 1), assumed_align=16)  # 16-byte stores
+    lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
+    part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
+    part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
+    q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
+    kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
+    split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    op = Sm100MlaDecode(variant, use_pdl=use_pdl)
+    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
+                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
+                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
+                        make_fake_stream(), options=compile_options(arch, keep_dir))
+
+
+@functools.cache
+def _compiled(variant: Variant, use_pdl: bool, arch: str):
+    """The variant's function, from the on-disk cache or compiled now (and cached). Runs outside CUDA-graph
+    capture: vLLM's warm-up and the first eager call reach it first."""
+    return compiled_from_cache_or_jit(
+        AOT, variant, use_pdl, arch, lambda: compile_variant(variant, use_pdl, arch=arch),
+        lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=3))
+
+
+def launch(args, workspace, config: LaunchConfig) -> None:
+    import cuda.bindings.driver as cuda
+
+    from mla_backend_plugin.kernels.combine.kernel import launch_combine
+
+    if not config.balanced:
+        raise ValueError("cute_sm100: config: split_plan must be 'balanced' (the kernel's device schedule)")
+    arch = ARCH_BY_CC[torch.cuda.get_device_capability(args.q_nope.device)]
+    fn = _compiled(variant_for(args, config), config.enable_pdl, arch)
+    plan = workspace.plan_for(args, PlanTile(CTA_ROWS, BLOCK_N), config)
+    q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
+    stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
+    fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, args.out, args.lse,
+       workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
+       softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
+       plan.work_target, plan.grid_items, stream)
+    if plan.has_combine:
+        launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False)
