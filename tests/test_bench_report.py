@@ -96,7 +96,8 @@ def test_tune_cli_dry_run_lists_shapes_candidates_and_reasons():
                 "--kv-dtypes", "bf16,fp8", "--block-size", "16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "2 shapes on compute capability 10.0; kernels timed: flashinfer_cute_dsl, triton, flashinfer_trtllm" in out
+    assert ("2 shapes on compute capability 10.0; kernels timed: flashinfer_cute_dsl, cute_sm100, triton, "
+            "flashinfer_trtllm") in out
     assert "sm100 kv=bf16 q=bf16 out=bf16 h16 q_len=1 bs16 pair scales=none B<=4 S<=4096" in out  # 128 heads / 8
     if "import flashinfer.mla failed" in out or "flashinfer-python is not installed" in out:
         return  # FlashInfer's refusals past the import need an importable flashinfer (vLLM installs it)
