@@ -154,6 +154,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_TUNE_CACHE", "",
            "The tuning cache (JSON): unset/`1` = `~/.cache/mla_backend_plugin/autotune.json`, `0` = none (tuning "
            "results live only in the process), else that file.", kind="path", parse=_cache_dir),
+    EnvVar("CUTE_MLA_CHECK_DIR", "",
+           "Debugging and end-to-end tests: a directory. Every decode call an engine (vLLM, SGLang) makes outside "
+           "CUDA-graph capture is recomputed with the float32 reference and its errors appended as one JSON line "
+           "to `DIR/<pid>.jsonl` (slow; engines' worker processes inherit it).", kind="path"),
     EnvVar("FLASHINFER_CUBIN_DIR", "",
            "FlashInfer's own variable, read (never set) here: a directory of trtllm-gen cubins. FlashInfer's "
            "trtllm-gen MLA kernel is a tuner candidate only when its cubins are local (this directory, or the "

@@ -35,8 +35,8 @@ MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def install_checker(stats: dict) -> None:
     import torch
 
-    from mla_backend_plugin.kernels.reference import mla_decode_reference
-    from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+    from mla_backend_plugin.ops import serving
+    from mla_backend_plugin.ops.constants import FP8_DTYPE
     from mla_backend_plugin.vllm.backend import CuteMLAImpl
 
     original = CuteMLAImpl.forward_mqa
@@ -46,30 +46,17 @@ def install_checker(stats: dict) -> None:
         if torch.cuda.is_current_stream_capturing():
             return out, lse
         decode = attn_metadata.decode
-        if isinstance(q, tuple):
-            q_nope, q_pe = q
-        else:
-            q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
-        q_len = q_nope.shape[0] // decode.block_table.shape[0]
-        cache = kv_cache.view(FP8_DTYPE) if self.runner.is_fp8_kv_cache else kv_cache
-        row_kv_lens = getattr(decode, "row_kv_lens", None)  # DCP with q_len > 1: limits in local positions
-        ref_out, ref_lse = mla_decode_reference(
-            q_nope, q_pe, cache, decode.block_table, decode.seq_lens, q_len, self.scale,
-            q_scale=layer._q_scale if q_nope.dtype == FP8_DTYPE else None,
-            kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None, row_kv_lens=row_kv_lens)
-        rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
-        finite = torch.isfinite(ref_lse)
-        lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-        lse_inf_ok = bool(torch.equal(torch.isinf(lse), ~finite))
-        record = {"calls": 1, "q_lens": {str(q_len): 1}, "max_rel_err": rel, "max_lse_err": lse_err,
-                  "lse_inf_mismatch": int(not lse_inf_ok), "q_dtypes": {str(q_nope.dtype): 1},
-                  "max_seq_len": int(decode.seq_lens.max().item()), "heads": {str(q_nope.shape[1]): 1},
-                  "dcp_world_sizes": {str(max(self.dcp_world_size, 1)): 1},
-                  "row_kv_lens_calls": int(row_kv_lens is not None)}
+        q_is_fp8 = (q[0] if isinstance(q, tuple) else q).dtype == FP8_DTYPE
+        # DCP with q_len > 1: row_kv_lens holds the limits in local positions
+        record = serving.reference_check(
+            q, serving.kernel_cache(kv_cache, self.runner.kv_cache_dtype), decode.block_table, decode.seq_lens,
+            self.scale, out, lse, q_scale=layer._q_scale if q_is_fp8 else None,
+            kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None,
+            row_kv_lens=getattr(decode, "row_kv_lens", None))
+        record["dcp_world_sizes"] = {str(max(self.dcp_world_size, 1)): 1}
         stats_dir = os.environ.get(STATS_DIR_ENV)
         if stats_dir:
-            with open(os.path.join(stats_dir, f"{os.getpid()}.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            serving.append_check_record(stats_dir, record)
         else:
             merge_stats(stats, record)
         return out, lse
@@ -78,14 +65,9 @@ def install_checker(stats: dict) -> None:
 
 
 def merge_stats(stats: dict, record: dict) -> None:
-    for key, value in record.items():
-        if isinstance(value, dict):
-            for k, n in value.items():
-                stats[key][k] = stats[key].get(k, 0) + n
-        elif key.startswith("max_"):
-            stats[key] = max(stats[key], value)
-        else:
-            stats[key] += value
+    from mla_backend_plugin.ops.serving import merge_check_records
+
+    merge_check_records(stats, record)
 
 
 def collect_worker_stats(stats: dict, stats_dir: str) -> None:

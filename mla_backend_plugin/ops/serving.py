@@ -9,7 +9,9 @@ the engine's decode shapes, prepared on the first decode call not being captured
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 
@@ -234,10 +236,70 @@ class DecodeRunner:
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         num_tokens = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
         out, lse = workspace.output_views(num_tokens)
-        mla_decode(q, kernel_cache(kv_cache, self.kv_cache_dtype), block_table, seq_lens,
-                   softmax_scale=self.softmax_scale,
-                   q_scale=dequant_scale(q_scale) if q_is_fp8 else None,
-                   kv_scale=dequant_scale(kv_scale) if self.is_fp8_kv_cache else None,
-                   out=out, lse=lse, workspace=workspace, kernel=self.kernel, max_seq_len=max_seq_len,
-                   row_kv_lens=row_kv_lens)
+        cache = kernel_cache(kv_cache, self.kv_cache_dtype)
+        q_scale = dequant_scale(q_scale) if q_is_fp8 else None
+        kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
+        mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, q_scale=q_scale,
+                   kv_scale=kv_scale, out=out, lse=lse, workspace=workspace, kernel=self.kernel,
+                   max_seq_len=max_seq_len, row_kv_lens=row_kv_lens)
+        check_dir = envs.CUTE_MLA_CHECK_DIR
+        if check_dir and not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            record = reference_check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse,
+                                     q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens)
+            append_check_record(check_dir, record)
         return out, lse
+
+
+def reference_check(q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *, q_scale=None, kv_scale=None,
+                    row_kv_lens: torch.Tensor | None = None) -> dict:
+    """One decode call recomputed with the float32 reference on the very inputs the engine passed: the
+    relative error of the output (Frobenius), the largest LSE error where the reference LSE is finite, and
+    whether the infinite LSEs (rows with no key) agree. Plus what the call was (q_len, dtypes, heads, longest
+    length), so a test can check which paths an engine exercised. Summed across calls by
+    ``merge_check_records``."""
+    from mla_backend_plugin.kernels.reference import mla_decode_reference
+
+    q_nope, q_pe = q if isinstance(q, (tuple, list)) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
+    q_len = q_nope.shape[0] // block_table.shape[0]
+    ref_out, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, q_len, softmax_scale,
+                                            q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens)
+    rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    finite = torch.isfinite(ref_lse)
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    return {"calls": 1, "q_lens": {str(q_len): 1}, "max_rel_err": rel, "max_lse_err": lse_err,
+            "lse_inf_mismatch": int(not torch.equal(torch.isinf(lse), ~finite)),
+            "q_dtypes": {str(q_nope.dtype): 1}, "kv_dtypes": {str(kv_cache.dtype): 1},
+            "block_sizes": {str(kv_cache.shape[1]): 1}, "max_seq_len": int(seq_lens.max().item()),
+            "heads": {str(q_nope.shape[1]): 1}, "row_kv_lens_calls": int(row_kv_lens is not None)}
+
+
+def append_check_record(check_dir: str, record: dict) -> None:
+    os.makedirs(check_dir, exist_ok=True)
+    with open(os.path.join(check_dir, f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def merge_check_records(total: dict, record: dict) -> dict:
+    """Sum ``reference_check`` records: counts add, per-value tallies add, ``max_*`` take the maximum."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            tally = total.setdefault(key, {})
+            for k, n in value.items():
+                tally[k] = tally.get(k, 0) + n
+        elif key.startswith("max_"):
+            total[key] = max(total.get(key, value), value)
+        else:
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def read_check_records(check_dir: str) -> dict:
+    """Every record the processes of a run appended under ``check_dir``, summed (plus ``processes``)."""
+    total: dict = {"calls": 0, "processes": 0}
+    for name in sorted(os.listdir(check_dir)) if os.path.isdir(check_dir) else ():
+        with open(os.path.join(check_dir, name)) as f:
+            for line in f:
+                merge_check_records(total, json.loads(line))
+        total["processes"] += 1
+    return total

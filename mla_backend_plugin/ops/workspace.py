@@ -269,8 +269,9 @@ class MLAWorkspace:
         self.max_splits = int(max_splits)
         self.split_capacity = split_capacity
         self.min_chunk = int(min_chunk)
-        if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if num_sms is None:  # off CUDA only the reference kernel runs, which plans nothing: one SM's plans
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 1)
         self.num_sms = int(num_sms)
         if rows_per_cta is not None:
             if plan_rows is not None:
