@@ -61,3 +61,16 @@ def test_merge_check_records():
     serving.merge_check_records(total, {"calls": 1, "q_lens": {"1": 1, "2": 1}, "max_rel_err": 0.05})
     assert total == {"calls": 2, "q_lens": {"1": 2, "2": 1}, "max_rel_err": 0.1}
     assert json.loads(json.dumps(total)) == total
+
+
+def test_engine_result_script_reader(tmp_path):
+    """The reader the engine GPU tests share: the last RESULT line of a successful script; a failing one fails."""
+    from engine_result import run_result_script
+
+    ok = tmp_path / "ok.py"
+    ok.write_text("print('noise')\nprint('RESULT {\"a\": 1}')\nprint('RESULT {\"a\": 2}')\n")
+    assert run_result_script(str(ok)) == {"a": 2}
+    bad = tmp_path / "bad.py"
+    bad.write_text("print('RESULT {}')\nraise SystemExit(3)\n")
+    with pytest.raises(AssertionError, match="exit 3"):
+        run_result_script(str(bad))

@@ -9,18 +9,14 @@ Our kernels run as ``mla_decode`` picks them (``kernel="auto"``; ``CUTE_MLA_KERN
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import unittest
 from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_result import run_result_script
 
 pytestmark = [
     pytest.mark.gpu,
@@ -145,13 +141,7 @@ CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_gpu_che
 
 
 def run_engine(*args: str) -> dict:
-    # one engine at a time, also under pytest-xdist (each sizes its KV pool from the free memory it sees)
-    with open(os.path.join(tempfile.gettempdir(), "cute_mla_sglang_gpu_test.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_result_script(CHECK, *args)
 
 
 @pytest.mark.parametrize("kv_cache_dtype,page_size,decode_only", [

@@ -9,16 +9,12 @@ other weights), eager and with CUDA graphs.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
+from engine_result import run_result_script
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_gpu_check.py")
 
@@ -27,14 +23,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def run_check(*args: str) -> dict:
-    # One engine at a time, also under pytest-xdist: concurrent engines each size their KV cache from the
-    # free memory they see and can starve each other ("No available memory for the cache blocks").
-    with open(os.path.join(tempfile.gettempdir(), "cute_mla_vllm_gpu_test.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_result_script(CHECK, *args)
 
 
 def assert_decode_checked(stats: dict, kv_fp8: bool, q_len: int, q_dtype: str) -> None:
