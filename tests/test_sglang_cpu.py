@@ -275,6 +275,9 @@ def test_which_steps_are_ours():
     assert not backend._serves(fb(ForwardMode.DECODE, SimpleNamespace(topk=1)))
     assert backend._serves(fb(ForwardMode.TARGET_VERIFY, SimpleNamespace(topk=1)))
     assert not backend._serves(fb(ForwardMode.TARGET_VERIFY, SimpleNamespace(topk=2)))
+    assert not backend._serves(fb(ForwardMode.TARGET_VERIFY, SimpleNamespace(draft_token_num=3)))  # n-gram tree
+    assert not backend._serves(fb(ForwardMode.TARGET_VERIFY, SimpleNamespace(topk=1, draft_token_num=2)))
+    assert backend._serves(fb(ForwardMode.TARGET_VERIFY, SimpleNamespace(topk=1, draft_token_num=3)))
     assert not backend._serves(fb(ForwardMode.EXTEND))
     assert not backend._serves(fb(ForwardMode.DRAFT_EXTEND_V2))
     backend.verify_q_len = None

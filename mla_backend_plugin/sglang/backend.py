@@ -150,7 +150,8 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         mode = forward_batch.forward_mode
         if mode.is_decode_or_idle():
             return forward_batch.spec_info is None  # multi-step draft decode brings its own kv indices
-        return mode.is_target_verify() and self.verify_q_len is not None and _is_chain(forward_batch.spec_info)
+        return (mode.is_target_verify() and self.verify_q_len is not None
+                and _is_chain(forward_batch.spec_info, self.verify_q_len))
 
     def _step_q_len(self, forward_batch) -> int:
         return self.verify_q_len if forward_batch.forward_mode.is_target_verify() else 1
@@ -288,9 +289,10 @@ def _chain_verify_q_len(server_args) -> int | None:
     return draft
 
 
-def _is_chain(spec_info) -> bool:
-    topk = getattr(spec_info, "topk", None)
-    return topk is None or topk == 1
+def _is_chain(spec_info, q_len: int) -> bool:
+    """An EAGLE-family verify input of a chain (topk 1) of ``q_len`` tokens per request. Anything else (n-gram
+    verify, whose drafts form a tree under a custom mask and carry no topk; DFlash blocks) is not ours."""
+    return getattr(spec_info, "topk", None) == 1 and getattr(spec_info, "draft_token_num", q_len) == q_len
 
 
 def _decode_cuda_graphs_enabled(server_args) -> bool:
