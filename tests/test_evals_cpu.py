@@ -55,7 +55,7 @@ def _naive_attention_rows(model: EvalModel, x: torch.Tensor) -> torch.Tensor:
     h = c.num_attention_heads
     xn = torch.nn.functional.rms_norm(x, (c.hidden_size,), layer.input_layernorm, c.rms_norm_eps)
     t = x.shape[1]
-    cos, sin = rope_cos_sin(torch.arange(t), c.qk_rope_head_dim, c.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(t), c)
     q = a.q_proj(xn[:, -1]).view(h, c.qk_head_dim)
     q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
     q_pe = apply_rope(q_pe, cos[-1:], sin[-1:])
@@ -80,7 +80,7 @@ def test_model_attention_is_the_absorbed_mla_our_kernels_compute():
         p.data.normal_(0, 0.2)  # not the small init: make the softmax far from uniform
     x = torch.randn(1, 48, c.hidden_size, dtype=torch.float64)
     layer = model.layers[0]
-    cos, sin = rope_cos_sin(torch.arange(48), c.qk_rope_head_dim, c.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(48), c)
     xn = torch.nn.functional.rms_norm(x, (c.hidden_size,), layer.input_layernorm, c.rms_norm_eps)
     expanded = layer.self_attn(xn, cos, sin)[:, -1]
     absorbed = _naive_attention_rows(model, x)
@@ -93,7 +93,8 @@ def test_rope_is_gptj_style():
     """Pairs (x[2i], x[2i+1]) rotate by position / theta^(2i/d): what vLLM applies to DeepSeek (not neox)."""
     x = torch.zeros(1, 64)
     x[0, 2], x[0, 3] = 1.0, 0.0  # pair 1
-    cos, sin = rope_cos_sin(torch.tensor([5]), 64, 10000.0)
+    c = EvalModelConfig.from_hf(hf_config(tasks.VOCAB_SIZE, rope_scaling=None))
+    cos, sin = rope_cos_sin(torch.tensor([5]), c)
     y = apply_rope(x, cos, sin)
     angle = 5 / 10000 ** (2 / 64)
     assert torch.allclose(y[0, 2:4], torch.tensor([math.cos(angle), math.sin(angle)]), atol=1e-6)
@@ -155,3 +156,43 @@ def test_outputs_and_dry_run(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--problems", "2"],
                          capture_output=True, text=True, check=True).stdout
     assert "conditions x" in out and "CUTE_MLA[cute_sm90] kv=fp8 graphs spec3" in out
+
+
+@pytest.mark.parametrize("rope_scaling", [None, "deepseek_v3"])
+def test_rope_and_softmax_scale_are_vllms(rope_scaling):
+    """The model's rope (YaRN as DeepSeek-V3 configures it, or none) equals vLLM's own rotary embedding for
+    DeepSeek (get_rope with rope_type deepseek_yarn, not neox), at positions across and past the original 4096,
+    and the softmax scale equals the one vLLM's DeepSeek attention computes."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from mla_backend_plugin.evals.model import DEEPSEEK_V3_YARN, yarn_mscale
+
+    scaling = DEEPSEEK_V3_YARN if rope_scaling else None
+    hf = hf_config(tasks.VOCAB_SIZE, rope_scaling=scaling)
+    c = EvalModelConfig.from_hf(hf)
+    params = ({**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "deepseek_yarn"} if scaling
+              else {"rope_type": "default", "rope_theta": c.rope_theta})
+    if scaling:
+        params["rope_theta"] = c.rope_theta
+    positions = torch.tensor([0, 1, 17, 1000, 4095, 4096, 8191, 16000])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(len(positions), 4, c.qk_rope_head_dim, generator=gen)  # as DeepSeek calls it: [T, H, 64]
+    k = torch.randn(len(positions), 1, c.qk_rope_head_dim, generator=gen)
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    # vLLM's custom ops read the current config when built
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        rope = get_rope(c.qk_rope_head_dim, max_position=hf["max_position_embeddings"], rope_parameters=params,
+                        is_neox_style=False, dtype=torch.float32)
+        q_vllm, k_vllm = rope.forward_native(positions, q.clone(), k.clone())
+    cos, sin = rope_cos_sin(positions, c)
+    q_ours = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)  # ours: [..., T, 64]
+    torch.testing.assert_close(q_ours, q_vllm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope(k[:, 0], cos, sin), k_vllm[:, 0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(q_ours, q, atol=1e-2)  # it rotated
+    # vLLM's DeepseekV2(MLA)Attention: scaling = qk_head_dim ** -0.5, times yarn_mscale(factor, mscale_all_dim) ** 2
+    m = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) if scaling else 1.0
+    assert c.softmax_scale == pytest.approx(c.qk_head_dim ** -0.5 * m * m)
+    if scaling:
+        assert m > 1.3 and hf["max_position_embeddings"] == 163840

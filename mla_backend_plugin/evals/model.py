@@ -15,14 +15,18 @@ Parameter names and shapes are those of a Hugging Face ``DeepseekV3ForCausalLM``
     model.norm.weight, lm_head.weight
 
 Rotary embedding as vLLM applies it to DeepSeek (``is_neox_style=False``: rotation of interleaved pairs), on
-q's rope part and on the one shared k_pe; softmax scale (nope + rope) ** -0.5; no rope scaling. Attention is
-the expanded (prefill) form; vLLM's decode runs the absorbed form, the same function.
+q's rope part and on the one shared k_pe, with DeepSeek's YaRN scaling when the config has ``rope_scaling``
+(vLLM's ``deepseek_yarn``: frequencies blended between interpolation and extrapolation by a ramp over the rotary
+dims, cos/sin times mscale / mscale_all_dim, and the softmax scale (nope + rope) ** -0.5 times
+yarn_mscale(factor, mscale_all_dim) ** 2). Attention is the expanded (prefill) form; vLLM's decode runs the
+absorbed form, the same function.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -44,16 +48,34 @@ class EvalModelConfig:
     rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
+    # DeepSeek's YaRN (``rope_scaling``); factor 1 = none
+    yarn_factor: float = 1.0
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
     @classmethod
     def from_hf(cls, hf: dict) -> EvalModelConfig:
         if hf.get("q_lora_rank") is not None:
             raise ValueError("the eval model has q_lora_rank null (q_proj)")
-        if hf.get("rope_scaling"):
-            raise ValueError("the eval model uses no rope scaling")
         if hf.get("first_k_dense_replace", 0) < hf["num_hidden_layers"]:
             raise ValueError("the eval model has dense MLPs only (first_k_dense_replace = num_hidden_layers)")
-        return cls(**{f.name: hf[f.name] for f in dataclasses.fields(cls)})
+        yarn = {}
+        scaling = hf.get("rope_scaling")
+        if scaling:
+            kind = scaling.get("type", scaling.get("rope_type"))
+            if kind != "yarn":
+                raise ValueError(f"rope_scaling type {kind!r}; the eval model knows DeepSeek's 'yarn' or none")
+            yarn = dict(yarn_factor=float(scaling["factor"]),
+                        yarn_original_max_position=int(scaling["original_max_position_embeddings"]),
+                        yarn_beta_fast=float(scaling.get("beta_fast", 32)),
+                        yarn_beta_slow=float(scaling.get("beta_slow", 1)),
+                        yarn_mscale=float(scaling.get("mscale", 1)),
+                        yarn_mscale_all_dim=float(scaling.get("mscale_all_dim", 0)))
+        plain = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("yarn_")]
+        return cls(**{name: hf[name] for name in plain}, **yarn)
 
     @classmethod
     def load(cls, model_dir: str) -> EvalModelConfig:
@@ -66,7 +88,9 @@ class EvalModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        """vLLM's DeepSeek attention scale: with YaRN it grows by yarn_mscale(factor, mscale_all_dim) ** 2."""
+        m = yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim)
+        return self.qk_head_dim ** -0.5 * m * m
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,10 +98,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim / 2]
-    return freqs.cos(), freqs.sin()
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 1.0 + 0.1 * mscale * math.log(factor)
+
+
+def _yarn_dim_of_rotations(rotations: float, dim: int, base: float, original_max: int) -> float:
+    """The rotary dim whose wavelength fits ``rotations`` times into the original context."""
+    return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_inv_freq(c: EvalModelConfig, device=None) -> torch.Tensor:
+    dim = c.qk_rope_head_dim
+    pos_freqs = c.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    if c.yarn_factor <= 1:
+        return 1.0 / pos_freqs
+    # dims that turn fast (many rotations in the original context) keep their frequency, slow ones are
+    # interpolated by the factor, with a linear ramp between the two rotation counts
+    low = max(math.floor(_yarn_dim_of_rotations(c.yarn_beta_fast, dim, c.rope_theta, c.yarn_original_max_position)), 0)
+    high = min(math.ceil(_yarn_dim_of_rotations(c.yarn_beta_slow, dim, c.rope_theta, c.yarn_original_max_position)),
+               dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (c.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_cos_sin(positions: torch.Tensor, c: EvalModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, rope / 2] of the positions, with YaRN's magnitude mscale / mscale_all_dim."""
+    freqs = positions.float()[:, None] * rope_inv_freq(c, positions.device)[None, :]
+    scale = yarn_mscale(c.yarn_factor, c.yarn_mscale) / yarn_mscale(c.yarn_factor, c.yarn_mscale_all_dim)
+    return freqs.cos() * scale, freqs.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,7 +212,7 @@ class EvalModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_cos_sin(positions, self.c.qk_rope_head_dim, self.c.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.c)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -231,11 +283,22 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# DeepSeek-V3's rope scaling (its config.json): YaRN stretching a 4096-token original context 40 times
+DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def hf_config(vocab_size: int, hidden_size: int = 256, intermediate_size: int = 768, num_hidden_layers: int = 4,
               num_attention_heads: int = 16, qk_nope_head_dim: int = 32, v_head_dim: int = 32,
-              max_position_embeddings: int = 16384, rope_theta: float = 10000.0) -> dict:
-    """A DeepseekV3ForCausalLM config vLLM 0.26 loads, with DeepSeek's MLA (kv_lora_rank 512, rope 64) and dense
-    MLPs (the MoE fields are required by the config class, unused with first_k_dense_replace = all layers)."""
+              rope_scaling: dict | None = DEEPSEEK_V3_YARN, max_position_embeddings: int | None = None,
+              rope_theta: float = 10000.0) -> dict:
+    """A DeepseekV3ForCausalLM config vLLM 0.26 loads, with DeepSeek's MLA (kv_lora_rank 512, rope 64, YaRN rope
+    scaling as DeepSeek-V3 configures it unless ``rope_scaling=None``) and dense MLPs (the MoE fields are required
+    by the config class, unused with first_k_dense_replace = all layers). ``max_position_embeddings`` defaults
+    to DeepSeek's: the original context times the YaRN factor (163840), else 16384."""
+    if max_position_embeddings is None:
+        max_position_embeddings = (int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
+                                   if rope_scaling else 16384)
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
         "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
@@ -246,9 +309,9 @@ def hf_config(vocab_size: int, hidden_size: int = 256, intermediate_size: int = 
         "num_attention_heads": num_attention_heads, "num_key_value_heads": num_attention_heads,
         "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": 64,
         "v_head_dim": v_head_dim, "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "rope_scaling": None, "attention_bias": False,
-        "attention_dropout": 0.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-        "initializer_range": 0.02, "use_cache": True,
+        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "rope_scaling": dict(rope_scaling) if rope_scaling else None,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "bos_token_id": 0,
+        "eos_token_id": 1, "initializer_range": 0.02, "use_cache": True,
     }
 
 

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     device = torch.device(args.device)
     size = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2) if args.small else {}
-    hf = hf_config(tasks.VOCAB_SIZE, max_position_embeddings=max(16384, 2 * args.max_len), **size)
+    hf = hf_config(tasks.VOCAB_SIZE, **size)  # DeepSeek-V3's YaRN and max_position_embeddings
     model = EvalModel(EvalModelConfig.from_hf(hf)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     os.makedirs(args.out, exist_ok=True)
