@@ -87,6 +87,31 @@ print(full.attention_backend, full.page_size, hybrid.decode_attention_backend, h
 
 
 @needs_sglang
+def test_server_args_resolve_to_cute_mla():
+    """SGLang's argument resolution (ServerArgs.__post_init__, on the tiny DeepSeek-V3 config) keeps cute_mla as
+    the backend of both phases, or of decode beside the prefill backend asked for. device="cpu": resolution
+    needs an accelerator otherwise; the CUDA-only rules it skips do not name our backend."""
+    code = """
+import os
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import ServerArgs
+load_plugins()
+model = os.path.join("examples", "tiny_deepseek", "model")
+full = ServerArgs(model_path=model, page_size=64, device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                  attention_backend="cute_mla")
+hybrid = ServerArgs(model_path=model, page_size=32, device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                    decode_attention_backend="cute_mla", prefill_attention_backend="triton")
+print("BACKENDS", *full.get_attention_backends(), *hybrid.get_attention_backends(), full.page_size)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, SGLANG_PLUGINS="cute_mla")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("BACKENDS")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    assert lines[-1].split()[1:] == ["cute_mla", "cute_mla", "triton", "cute_mla", "64"]
+
+
+@needs_sglang
 def test_cli_refuses_the_name_without_the_plugin():
     code = """
 import argparse
