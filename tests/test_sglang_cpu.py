@@ -14,7 +14,9 @@ import unittest
 from types import SimpleNamespace
 
 import pytest
+import sglang_kit
 import torch
+from sglang_kit import write_kv_without_triton
 
 from mla_backend_plugin.sglang import plugin as sgl_register
 
@@ -173,23 +175,6 @@ def test_page_tables_from_req_to_token(page_size, new_tokens):
         tables.views(5)
 
 
-def _write_kv_without_triton(monkeypatch):
-    """SGLang writes latent + rope into its pool with a Triton kernel, which needs a GPU: on the CPU the same
-    bytes go in through the pool's plain indexed write."""
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-    def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
-        self.set_kv_buffer(layer, loc, torch.cat([cache_k_nope, cache_k_rope], dim=-1), None)
-
-    monkeypatch.setattr(MLATokenToKVPool, "set_mla_kv_buffer", set_mla_kv_buffer)
-
-
-def _kit():
-    from sglang.test.kits.attention_unittest.attention_methods import mla_attention
-
-    return mla_attention
-
-
 @needs_sglang
 @pytest.mark.parametrize("page_size,num_heads,prefix_lens,fp8", [(16, 16, (14, 15, 16, 40), False),
                                                                   (64, 32, (7, 129), False),
@@ -200,8 +185,8 @@ def test_decode_through_sglang_kit_on_cpu(monkeypatch, page_size, num_heads, pre
     KV cache itself (shuffled pages) and passes the concatenated q, as DeepSeek does for our backend."""
     monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
     sgl_register.register()
-    kit = _kit()
-    _write_kv_without_triton(monkeypatch)
+    kit = sglang_kit.kit()
+    write_kv_without_triton(monkeypatch)
     case = kit.MLAAttentionCase(name=f"cute_mla_decode_p{page_size}_h{num_heads}", backend="cute_mla",
                                 forward_mode=kit.ForwardMode.DECODE, num_heads=num_heads, page_size=page_size,
                                 prefix_lens=prefix_lens)
@@ -212,6 +197,7 @@ def test_decode_through_sglang_kit_on_cpu(monkeypatch, page_size, num_heads, pre
 
     assert isinstance(fixture.backend, CuteMLAAttnBackend)
     assert fixture.backend.kv_cache_dtype == ("fp8_e4m3" if fp8 else "auto")
+    assert sglang_kit.poison(fixture) > 0
     actual = kit.run_mla_fixture_eager(fixture)
     expected = kit.expected_mla_fixture_output(fixture)  # from the unquantised latents
     atol = 0.15 if fp8 else 3e-2
@@ -221,7 +207,7 @@ def test_decode_through_sglang_kit_on_cpu(monkeypatch, page_size, num_heads, pre
 @needs_sglang
 def test_page_size_one_is_refused_with_the_allowed_values(monkeypatch):
     sgl_register.register()
-    kit = _kit()
+    kit = sglang_kit.kit()
     case = kit.MLAAttentionCase(name="cute_mla_page1", backend="cute_mla", forward_mode=kit.ForwardMode.DECODE,
                                 num_heads=16, page_size=1, prefix_lens=(3,))
     with pytest.raises(ValueError, match=r"--page-size 1 is not supported; allowed: 16, 32, 64, 128"):
@@ -232,7 +218,7 @@ def test_page_size_one_is_refused_with_the_allowed_values(monkeypatch):
 @needs_sglang
 def test_wrong_mla_dims_are_refused():
     sgl_register.register()
-    kit = _kit()
+    kit = sglang_kit.kit()
     case = kit.MLAAttentionCase(name="cute_mla_dims", backend="cute_mla", forward_mode=kit.ForwardMode.DECODE,
                                 num_heads=16, page_size=16, prefix_lens=(3,))
     with pytest.raises(ValueError, match="kv_lora_rank=512 and qk_rope_head_dim=64"):
@@ -247,8 +233,8 @@ def test_chain_verify_through_sglang_kit_on_cpu(monkeypatch, page_size, q_len, p
     KV the kit writes first; each draft row attends causally. Against the kit's custom-mask reference."""
     monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
     sgl_register.register()
-    kit = _kit()
-    _write_kv_without_triton(monkeypatch)
+    kit = sglang_kit.kit()
+    write_kv_without_triton(monkeypatch)
     case = kit.MLAAttentionCase(name=f"cute_mla_verify_p{page_size}_q{q_len}", backend="cute_mla",
                                 forward_mode=kit.ForwardMode.TARGET_VERIFY, num_heads=16, page_size=page_size,
                                 prefix_lens=prefix_lens, extend_lens=(q_len,) * len(prefix_lens))
@@ -271,6 +257,7 @@ def test_chain_verify_through_sglang_kit_on_cpu(monkeypatch, page_size, q_len, p
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(CuteMLAAttnBackend, "_forward_ours", spy)
+    assert sglang_kit.poison(fixture) > 0
     actual = kit.run_mla_fixture_eager(fixture)
     expected = kit.expected_mla_fixture_output(fixture)  # row t of a request sees prefix + t + 1 keys
     torch.testing.assert_close(actual.float(), expected.float(), atol=3e-2, rtol=3e-2)

@@ -15,6 +15,7 @@ import unittest
 from types import SimpleNamespace
 
 import pytest
+import sglang_kit
 import torch
 from engine_result import run_result_script
 
@@ -24,15 +25,6 @@ pytestmark = [
 ]
 
 MAX_CONTEXT = 8 * 128  # room for several pages of every page size
-
-
-def _kit():
-    from mla_backend_plugin.sglang import plugin
-
-    plugin.register()
-    from sglang.test.kits.attention_unittest.attention_methods import mla_attention
-
-    return mla_attention
 
 
 def _fixture(kit, case, *, fp8=False, runner_batch_size=None):
@@ -49,20 +41,21 @@ def _assert_matches(actual, expected, fp8):
 @pytest.mark.parametrize("num_heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_decode_eager(page_size, num_heads, fp8):
-    kit = _kit()
+    kit = sglang_kit.kit()
     # lengths on, before and after page edges, one request past several pages
     prefix_lens = (page_size - 2, page_size - 1, page_size, 3 * page_size + 5)
     case = kit.MLAAttentionCase(name=f"cute_mla_p{page_size}_h{num_heads}_{fp8}", backend="cute_mla",
                                 forward_mode=kit.ForwardMode.DECODE, num_heads=num_heads, page_size=page_size,
                                 prefix_lens=prefix_lens)
     fixture = _fixture(kit, case, fp8=fp8)
+    assert sglang_kit.poison(fixture) > 0
     _assert_matches(kit.run_mla_fixture_eager(fixture), kit.expected_mla_fixture_output(fixture), fp8)
 
 
 @pytest.mark.parametrize("q_len", [2, 4])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_chain_verify_eager(page_size, q_len):
-    kit = _kit()
+    kit = sglang_kit.kit()
     prefix_lens = (page_size - 1, 2 * page_size + 3)
     case = kit.MLAAttentionCase(name=f"cute_mla_verify_p{page_size}_q{q_len}", backend="cute_mla",
                                 forward_mode=kit.ForwardMode.TARGET_VERIFY, num_heads=128, page_size=page_size,
@@ -73,6 +66,7 @@ def test_chain_verify_eager(page_size, q_len):
     batch.seq_lens_cpu = batch.seq_lens.cpu()
     batch.seq_lens_sum = sum(prefix_lens)
     batch.spec_info = SimpleNamespace(topk=1, draft_token_num=q_len, custom_mask=None)
+    assert sglang_kit.poison(fixture) > 0
     _assert_matches(kit.run_mla_fixture_eager(fixture), kit.expected_mla_fixture_output(fixture), False)
 
 
@@ -83,7 +77,7 @@ def test_decode_cuda_graph_capture_and_replay(fp8):
     states: the page table and lengths the graph refills must follow."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    kit = _kit()
+    kit = sglang_kit.kit()
     page_size = 64
     prefix_lens = (5, 64, 200)
     case = kit.MLAAttentionCase(name=f"cute_mla_graph_{fp8}", backend="cute_mla",
@@ -92,6 +86,7 @@ def test_decode_cuda_graph_capture_and_replay(fp8):
     fixture = _fixture(kit, case, fp8=fp8)
     backend, batch, module = fixture.backend, fixture.forward_batch, fixture.actual_module
     hidden = fixture.input_hidden.clone()
+    assert sglang_kit.poison(fixture) > 0
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_cuda_graph_state(max_bs=len(prefix_lens), max_num_tokens=len(prefix_lens))
         backend.init_forward_metadata_out_graph(batch, in_capture=True)
@@ -116,6 +111,7 @@ def test_decode_cuda_graph_capture_and_replay(fp8):
         batch.out_cache_loc.copy_(batch.out_cache_loc[order].clone())
         hidden.copy_(new_hidden)
         backend.init_forward_metadata_out_graph(batch)
+        backend.workspace.out_buffer.fill_(float("nan"))  # the replay must write every row again
         graph.replay()
         reversed_case = dataclasses.replace(case, prefix_lens=tuple(prefix_lens[i] for i in order))
         expected = kit._mla_attention_reference(fixture.reference_module, reversed_case,
@@ -129,7 +125,7 @@ def test_decode_cuda_graph_with_sglang_runner():
         run_mla_cuda_graph_decode_case,
     )
 
-    kit = _kit()
+    kit = sglang_kit.kit()
     case = kit.MLAAttentionCase(name="cute_mla_kit_graph", backend="cute_mla", forward_mode=kit.ForwardMode.DECODE,
                                 num_heads=128, page_size=64, prefix_lens=(7, 64, 130))
     run_mla_cuda_graph_decode_case(unittest.TestCase(), case, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,

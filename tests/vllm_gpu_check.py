@@ -58,24 +58,18 @@ def install_checker(stats: dict) -> None:
         if stats_dir:
             serving.append_check_record(stats_dir, record)
         else:
-            merge_stats(stats, record)
+            serving.merge_check_records(stats, record)
         return out, lse
 
     CuteMLAImpl.forward_mqa = checked_forward_mqa
 
 
-def merge_stats(stats: dict, record: dict) -> None:
-    from mla_backend_plugin.ops.serving import merge_check_records
-
-    merge_check_records(stats, record)
-
-
 def collect_worker_stats(stats: dict, stats_dir: str) -> None:
-    for name in sorted(os.listdir(stats_dir)):
-        with open(os.path.join(stats_dir, name)) as f:
-            for line in f:
-                merge_stats(stats, json.loads(line))
-        stats["workers"] += 1
+    from mla_backend_plugin.ops.serving import merge_check_records, read_check_records
+
+    workers = read_check_records(stats_dir)
+    stats["workers"] += workers.pop("processes")
+    merge_check_records(stats, workers)
 
 
 def main() -> None:

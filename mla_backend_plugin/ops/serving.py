@@ -221,6 +221,7 @@ class DecodeRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.is_fp8_kv_cache = kv_cache_dtype.startswith("fp8")
         self.kernel = envs.CUTE_MLA_KERNEL
+        self.check_dir = envs.CUTE_MLA_CHECK_DIR  # read once: decode runs per layer and step
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
@@ -242,11 +243,10 @@ class DecodeRunner:
         mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, q_scale=q_scale,
                    kv_scale=kv_scale, out=out, lse=lse, workspace=workspace, kernel=self.kernel,
                    max_seq_len=max_seq_len, row_kv_lens=row_kv_lens)
-        check_dir = envs.CUTE_MLA_CHECK_DIR
-        if check_dir and not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if self.check_dir and not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             record = reference_check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse,
                                      q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens)
-            append_check_record(check_dir, record)
+            append_check_record(self.check_dir, record)
         return out, lse
 
 

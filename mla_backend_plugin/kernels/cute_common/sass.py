@@ -96,3 +96,15 @@ def first_line(sass: str, pattern: str) -> int | None:
         if rx.match(line):
             return i
     return None
+
+
+def write_cubin(compiled, directory: str) -> str:
+    """The cubin of a CuTe-DSL function compiled with ``--keep-cubin`` (``compiled.__cubin__``), written to
+    ``directory/kernel.cubin`` for the SASS tools above; its path."""
+    cubin = getattr(compiled, "__cubin__", None)
+    if not isinstance(cubin, (bytes, bytearray)) or not cubin:
+        raise RuntimeError("the DSL returned no cubin (--keep-cubin)")
+    path = os.path.join(directory, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    return path

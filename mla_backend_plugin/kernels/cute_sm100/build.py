@@ -77,12 +77,7 @@ def build_one(variant: Variant, arch: str, use_pdl: bool = True) -> VariantResul
     with tempfile.TemporaryDirectory() as tmp:
         try:
             compiled = compile_variant(variant, use_pdl=use_pdl, arch=arch, keep_dir=tmp)
-            cubin = getattr(compiled, "__cubin__", None)
-            if not isinstance(cubin, (bytes, bytearray)) or not cubin:
-                raise RuntimeError("the DSL returned no cubin (--keep-cubin)")
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
+            path = sass.write_cubin(compiled, tmp)
             usage = sass.resource_usage(path)
             text, _ = sass.disassemble(path)
             AOT.export_for_build(compiled, variant, use_pdl, arch)

@@ -63,12 +63,7 @@ def _build_one(variant: Variant, arch: str):
     with tempfile.TemporaryDirectory() as tmp:
         try:
             compiled = compile_variant(variant, use_pdl=True, arch=arch, keep_dir=tmp)
-            cubin = getattr(compiled, "__cubin__", None)
-            if not isinstance(cubin, (bytes, bytearray)) or not cubin:
-                raise RuntimeError("the DSL returned no cubin (--keep-cubin)")
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
+            path = sass_tools.write_cubin(compiled, tmp)
             info = inspect_cubin(path)
             AOT.export_for_build(compiled, variant, True, arch)
         except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
