@@ -6,6 +6,7 @@ they see and can starve each other ("No available memory for the cache blocks").
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -14,9 +15,16 @@ import sys
 import tempfile
 
 
-def run_result_script(script: str, *args: str, timeout: float = 900) -> dict:
+@contextlib.contextmanager
+def engine_lock():
+    """Held while a test's engines run: no other test's engine starts meanwhile (any pytest-xdist worker)."""
     with open(os.path.join(tempfile.gettempdir(), "cute_mla_engine_gpu_test.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def run_result_script(script: str, *args: str, timeout: float = 900) -> dict:
+    with engine_lock():
         proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -1,18 +1,30 @@
 """The eval package on CPU (issue 12): the tasks, the model's MLA against the absorbed decode form our kernels
-compute, its checkpoint layout, the statistics and the eval CLI's plan."""
+compute, its checkpoint layout, the statistics, the float32 reference's batched greedy decoding, the runner of
+condition processes (jobs, timeouts, budget), the eval end to end with its torch condition, the plans, and the
+shipped weights solving problems."""
 
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from mla_backend_plugin.evals import MODEL_DIR, tasks
 from mla_backend_plugin.evals import __main__ as ev
-from mla_backend_plugin.evals import tasks
-from mla_backend_plugin.evals.model import EvalModel, EvalModelConfig, apply_rope, hf_config, rope_cos_sin
+from mla_backend_plugin.evals.model import (
+    EvalModel,
+    EvalModelConfig,
+    apply_rope,
+    greedy_answer,
+    hf_config,
+    rope_cos_sin,
+)
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 
 
@@ -111,7 +123,8 @@ def test_checkpoint_round_trip_in_hf_layout(tmp_path):
     again = EvalModel.load_hf(str(tmp_path))
     names = set(again.hf_state_dict())
     assert "model.layers.1.self_attn.kv_b_proj.weight" in names and "lm_head.weight" in names
-    assert again.hf_state_dict()["model.layers.1.self_attn.kv_b_proj.weight"].shape == (16 * 64, 512)
+    kv_b_rows = hf["num_attention_heads"] * (hf["qk_nope_head_dim"] + hf["v_head_dim"])
+    assert again.hf_state_dict()["model.layers.1.self_attn.kv_b_proj.weight"].shape == (kv_b_rows, 512)
     tokens = torch.tensor([tasks.make_problem("retrieve", 64, 0).prompt])
     torch.testing.assert_close(again(tokens), model.eval()(tokens))
     with pytest.raises(ValueError, match="q_lora_rank null"):
@@ -130,9 +143,11 @@ def test_statistics():
 
 def test_verdicts_flag_a_worse_kernel_only():
     def row(cond, ours, hits, kl=1e-4):
-        return {"condition": cond, "ours": ours, "kv_dtype": "auto", "task": "retrieve", "length": 1024,
-                "hits": hits, "n": 100, "accuracy": hits / 100, "kl_mean": kl}
-    rows = [row("reference", False, 90, 0.0), row("FLASHMLA", False, 89), row("CUTE_MLA[cute_sm90]", True, 88)]
+        backend = "CUTE_MLA" if ours else cond.split()[0]
+        return {"condition": cond, "backend": backend, "ours": ours, "kv_dtype": "auto", "task": "retrieve",
+                "length": 1024, "hits": hits, "n": 100, "accuracy": hits / 100, "kl_mean": kl}
+    rows = [row("reference", False, 90, 0.0), row("FLASHMLA", False, 89), row("CUTE_MLA[cute_sm90]", True, 88),
+            row("torch bf16", False, 99, 1e-9)]  # not a vLLM backend: neither the best peer nor the KL yardstick
     assert ev.verdicts(rows) == []
     bad = rows + [row("CUTE_MLA[triton]", True, 60), row("CUTE_MLA[xqa_sm120]", True, 89, kl=0.5)]
     found = ev.verdicts(bad)
@@ -140,9 +155,9 @@ def test_verdicts_flag_a_worse_kernel_only():
 
 
 def test_outputs_and_dry_run(tmp_path):
-    rows = [{"condition": "reference", "ours": False, "kv_dtype": "auto", "mode": "-", "spec": 0, "task": t,
-             "length": n, "hits": 9, "n": 10, "accuracy": 0.9, "ci_low": 0.6, "ci_high": 0.98, "kl_mean": 0.0,
-             "kl_max": 0.0, "kl_tokens": 0} for t in tasks.TASKS for n in (1024, 4096)]
+    rows = [{"condition": "reference", "backend": "reference", "ours": False, "kv_dtype": "auto", "mode": "-",
+             "spec": 0, "task": t, "length": n, "hits": 9, "n": 10, "accuracy": 0.9, "ci_low": 0.6, "ci_high": 0.98,
+             "kl_mean": 0.0, "kl_max": 0.0, "kl_tokens": 0} for t in tasks.TASKS for n in (1024, 4096)]
     paths = ev.write_outputs(rows, str(tmp_path))
     assert any(p.endswith(".png") for p in paths)
     with open(paths[1]) as f:
@@ -155,7 +170,194 @@ def test_outputs_and_dry_run(tmp_path):
     assert not any("FLASH_ATTN_MLA" in lb and "fp8" in lb for lb in labels)
     out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--problems", "2"],
                          capture_output=True, text=True, check=True).stdout
-    assert "conditions x" in out and "CUTE_MLA[cute_sm90] kv=fp8 graphs spec3" in out
+    assert "conditions x" in out and "CUTE_MLA[cute_sm90] kv=fp8 graphs spec3" in out and "torch bf16" in out
+
+
+def test_device_plan():
+    """Every backend, and each of our kernels built for sm_90a, with CUDA graphs and both KV dtypes (fp8 where
+    vLLM allows it); eager and n-gram speculation only for CUTE_MLA auto and FLASHMLA; ours before the peers."""
+    from mla_backend_plugin.ops.registry import KERNELS
+
+    plan = ev.device_plan()
+    labels = [c.label for c in plan.conditions]
+    assert len(labels) == len(set(labels)) and labels[0] == "torch bf16"
+    sm90 = [k for k in ev.OUR_KERNELS if k == "auto" or "sm_90a" in KERNELS[k].archs]
+    assert set(sm90) == {"auto", "cute_sm90", "triton", "xqa_sm120"}  # xqa_sm120 has an sm_90a build
+    for kernel in sm90:
+        for kv in ("bf16", "fp8"):
+            assert f"CUTE_MLA[{kernel}] kv={kv} graphs" in labels
+    for peer in ev.PEER_BACKENDS:
+        assert f"{peer} kv=bf16 graphs" in labels
+        assert (f"{peer} kv=fp8 graphs" in labels) == (peer not in ev.NO_FP8)
+    extra = {c.label for c in plan.conditions if c.mode == "eager" or c.spec}
+    assert extra == {f"{name} kv={kv} {mode}" for name in ("CUTE_MLA[auto]", "FLASHMLA") for kv in ("bf16", "fp8")
+                     for mode in ("eager", "graphs spec3")}
+    assert max(i for i, c in enumerate(plan.conditions) if c.ours and c.mode == "graphs" and not c.spec) < min(
+        i for i, c in enumerate(plan.conditions) if c.backend in ev.PEER_BACKENDS)
+    assert plan.lengths == (1024, 4096, 8192) and plan.budget_s < 9 * 60  # one device call, 10 minutes at most
+    # the flags filter the plan; the torch condition (no cache, no mode) only by backend
+    picked = ev.select(plan.conditions, ["CUTE_MLA", "torch"], ["auto"], ["fp8"], ["graphs"], [0])
+    assert [c.label for c in picked] == ["torch bf16", "CUTE_MLA[auto] kv=fp8 graphs"]
+    out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--plan", "device",
+                          "--jobs", "8"], capture_output=True, text=True, check=True).stdout
+    assert f"plan device: {len(labels)} conditions" in out and "8 at once" in out
+    assert out.splitlines()[1:] == [f"  {label}" for label in labels]
+
+
+def test_worker_env_and_engine_args():
+    """Each engine: its own kernel (an inherited CUTE_MLA_KERNEL does not leak into auto), its own vLLM cache,
+    the engine in-process; the same fixed KV cache and engine arguments whatever --jobs is."""
+    auto = ev.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0)
+    triton = ev.Condition("CUTE_MLA", "triton", "auto", "eager", 3)
+    os.environ["CUTE_MLA_KERNEL"] = "reference"
+    try:
+        assert "CUTE_MLA_KERNEL" not in ev.worker_env(auto, 1, "/c0")
+        env = ev.worker_env(triton, 8, "/c1")
+    finally:
+        del os.environ["CUTE_MLA_KERNEL"]
+    assert env["CUTE_MLA_KERNEL"] == "triton" and env["VLLM_CACHE_ROOT"] == "/c1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and int(env["OMP_NUM_THREADS"]) >= 1
+    hf = hf_config(tasks.VOCAB_SIZE)
+    kwargs = ev.engine_kwargs(triton, hf, 8192)
+    assert kwargs["enforce_eager"] and kwargs["speculative_config"]["num_speculative_tokens"] == 3
+    # 32 sequences of 8208 tokens x the layers x 576 values x 2 bytes fit, with room for lookahead slots
+    need = 32 * 8208 * hf["num_hidden_layers"] * 576 * 2
+    assert need < kwargs["kv_cache_memory_bytes"] < 2 * need
+    assert ev.engine_kwargs(auto, hf, 8192)["kv_cache_memory_bytes"] == kwargs["kv_cache_memory_bytes"]
+
+
+def _tiny_model(seed: int = 0) -> EvalModel:
+    torch.manual_seed(seed)
+    model = EvalModel(EvalModelConfig.from_hf(hf_config(tasks.VOCAB_SIZE, hidden_size=64, intermediate_size=64,
+                                                         num_hidden_layers=1)))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)  # far from uniform: greedy answers differ between problems
+    return model.eval()
+
+
+def test_torch_reference_is_greedy_decoding_and_teacher_forcing():
+    """TorchReference's greedy answers (start from the right answer, repair the first wrong token) equal
+    token-by-token greedy decoding, for answers the model gets wrong and ones it gets right; its log-probabilities
+    along any answer equal the model's on the prompt plus that answer, however the passes are batched."""
+    import dataclasses
+
+    model = _tiny_model()
+    problems = tasks.eval_problems("retrieve", 64, 3) + tasks.eval_problems("hop2", 96, 3)
+    greedy = [greedy_answer(model, p.prompt, len(p.answer)) for p in problems]
+    assert any(g != p.answer for g, p in zip(greedy, problems))
+    solved = [dataclasses.replace(p, answer=g) for p, g in zip(problems, greedy)]  # the model "solves" these
+    for probs in (problems, solved, problems[:2] + solved[2:]):
+        for batch_tokens in (1, 4096):
+            ref = ev.TorchReference(model, probs, torch.device("cpu"), batch_tokens=batch_tokens)
+            assert ref.greedy() == greedy
+    ref = ev.TorchReference(model, problems, torch.device("cpu"))
+    answers = [p.answer for p in problems[:3]] + [greedy[3][:1], [], greedy[5]]
+    for p, gen, lp in zip(problems, answers, ref.logprobs(answers)):
+        assert lp.shape == (len(gen), tasks.VOCAB_SIZE)
+        if gen:
+            with torch.no_grad():
+                direct = torch.log_softmax(model(torch.tensor([p.prompt + gen[:-1]]))[0, len(p.prompt) - 1:], -1)
+            torch.testing.assert_close(lp, direct, rtol=1e-5, atol=1e-5)
+
+
+def test_score_kl_over_finite_vectors():
+    ref = torch.log_softmax(torch.randn(3, 8, generator=torch.Generator().manual_seed(0)), -1)
+    test = ref.clone()
+    test[1] += 0.1 * torch.arange(8)
+    test[1] = torch.log_softmax(test[1], -1)
+    test[2, 0] = -math.inf  # a vector vLLM did not return whole: not compared
+    p = tasks.Problem("retrieve", [0], [1, 2, 3], 0)
+    s = ev.score([p], [{"tokens": [1, 2, 4], "logprobs": test}], [ref])
+    assert s["hits"] == 0 and s["kl_tokens"] == 2 and s["kl_max"] == pytest.approx(ev.kl_divergence(ref[1], test[1]))
+    assert s["kl_mean"] == pytest.approx(s["kl_max"] / 2)
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_runner_jobs_timeouts_budget(tmp_path):
+    """At most --jobs processes at once, started in order; a failure's last error line; an overdue process group
+    killed; nothing started when too little of the budget is left."""
+    import time
+
+    runs = [ev.Run("sleep", _python("import time; time.sleep(1)"), None, str(tmp_path / "0.log")),
+            ev.Run("fail", _python("import sys; print('RuntimeError: boom'); print('exiting'); sys.exit(3)"), None,
+                   str(tmp_path / "1.log")),
+            ev.Run("hang", _python("import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, flush=True); "
+                                   "time.sleep(60)"), None, str(tmp_path / "2.log")),
+            ev.Run("quick", _python("print('done')"), None, str(tmp_path / "3.log"))]
+    runner = ev.Runner(runs, jobs=2, timeout_s=3)
+    start, most = time.monotonic(), 0
+    while not runner.done():
+        runner.poll()
+        most = max(most, sum(r.status == "running" for r in runs))
+        time.sleep(0.05)
+    assert most == 2 and time.monotonic() - start < 15
+    assert [r.status for r in runs] == ["ok", "failed", "timeout", "ok"]
+    assert runs[1].detail == "exit 3: RuntimeError: boom" and runs[2].proc.returncode == -signal.SIGTERM
+    assert (tmp_path / "3.log").read_text() == "done\n"
+    child = int((tmp_path / "2.log").read_text().split()[0])  # the hung process's own child died with its group
+    stat = pathlib.Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"  # gone, or a zombie of init
+    late = [ev.Run(name, _python("import time; time.sleep(1.5)"), None, str(tmp_path / f"{name}.log"))
+            for name in ("first", "second")]
+    runner = ev.Runner(late, jobs=1, timeout_s=60, deadline=time.monotonic() + 2.5, min_start_s=2)
+    while not runner.done():
+        runner.poll()
+        time.sleep(0.05)
+    assert [r.status for r in late] == ["ok", "skipped"]
+
+
+def test_eval_end_to_end_with_the_torch_condition(tmp_path):
+    """The whole eval on the CPU with the one condition that needs no vLLM (the model in torch bf16, in its
+    worker process): the reference's rows, the condition's rows, its log and the outputs."""
+    import json
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    hf = hf_config(tasks.VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
+    (model_dir / "config.json").write_text(json.dumps(hf))
+    _tiny_model().save_hf(str(model_dir))
+    out = tmp_path / "out"
+    code = ev.main(["--model", str(model_dir), "--backends", "torch", "--lengths", "64,128", "--problems", "3",
+                    "--jobs", "2", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["runs"] == [{"condition": "torch bf16", "status": "ok", "seconds": results["runs"][0]["seconds"],
+                                "log": "logs/00_torch_bf16.log", "detail": ""}]
+    rows = results["rows"]
+    assert [(r["condition"], r["task"], r["length"]) for r in rows] == [
+        (name, t, n) for name in ("reference", "torch bf16") for t in tasks.TASKS for n in (64, 128)]
+    for r in rows:
+        assert r["n"] == 3 and r["kl_tokens"] == 3 * (3 if r["task"] == "retrieve" else 2)
+        # bf16 arithmetic moves the distributions a little, never nothing, never much
+        assert (r["kl_mean"] == 0) if r["condition"] == "reference" else (0 < r["kl_mean"] < 1e-2)
+    assert (out / "logs" / "00_torch_bf16.log").exists() and (out / "results.md").exists()
+
+
+SHIPPED_WEIGHTS = os.path.join(MODEL_DIR, "model.safetensors")
+
+
+@pytest.mark.skipif(not os.path.exists(SHIPPED_WEIGHTS),
+                    reason=f"the trained eval model is not in the package yet: no {SHIPPED_WEIGHTS} "
+                           "(python -m mla_backend_plugin.evals.train --out mla_backend_plugin/evals/model)")
+def test_shipped_model_solves_problems_with_the_reference_attention():
+    """The shipped weights in plain torch (float32, the expanded attention of model.py) solve held-out problems
+    at short context by greedy decoding: the model really works (chance is 1 in 512 per answer token). Its config
+    is the one vLLM loads: DeepSeek's MLA dims, a head count our kernels take, the eval vocabulary."""
+    import json
+
+    with open(os.path.join(MODEL_DIR, "config.json")) as f:
+        hf = json.load(f)
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["vocab_size"] == tasks.VOCAB_SIZE
+    assert hf["kv_lora_rank"] == 512 and hf["qk_rope_head_dim"] == 64 and hf["num_attention_heads"] in (16, 32, 64, 128)
+    assert os.path.getsize(SHIPPED_WEIGHTS) <= 25 * 2**20
+    model = EvalModel.load_hf(MODEL_DIR)
+    for task in tasks.TASKS:
+        problems = tasks.eval_problems(task, 256, 8)
+        solved = sum(greedy_answer(model, p.prompt, len(p.answer)) == p.answer for p in problems)
+        assert solved >= 6, f"{task} at 256 tokens: {solved} of 8 solved"
 
 
 @pytest.mark.parametrize("rope_scaling", [None, "deepseek_v3"])

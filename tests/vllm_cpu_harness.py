@@ -395,6 +395,43 @@ def scenario_dcp_refusals() -> None:
         raise AssertionError("48 gathered heads accepted")
 
 
+def scenario_eval_engine_args() -> None:
+    """The model-level eval's engine arguments (mla_backend_plugin.evals: a fixed KV cache, n-gram speculation,
+    eager or graphs) for every vLLM condition of its device plan make a config through vLLM's own parsing, with
+    the condition's backend; CUTE_MLA's resolves to our backend class."""
+    import json
+    import tempfile
+
+    from mla_backend_plugin.evals import __main__ as ev
+    from mla_backend_plugin.evals import tasks
+    from mla_backend_plugin.evals.model import hf_config
+
+    install_fake_gpu()
+    from vllm.config import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    hf = hf_config(tasks.VOCAB_SIZE)
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(hf, f)
+        for cond in ev.device_plan().conditions:
+            if cond.backend == ev.TORCH:
+                continue
+            kwargs = ev.engine_kwargs(cond, hf, 8192)
+            cfg = EngineArgs(model=model_dir, load_format="dummy", **kwargs).create_engine_config()
+            assert cfg.attention_config.backend.name == cond.backend, (cond.label, cfg.attention_config.backend)
+            assert cfg.cache_config.kv_cache_memory_bytes == kwargs["kv_cache_memory_bytes"], cond.label
+            assert cfg.cache_config.cache_dtype == cond.kv_dtype, cond.label
+            assert cfg.model_config.max_model_len == kwargs["max_model_len"] > 8192, cond.label
+            assert cfg.scheduler_config.max_num_batched_tokens == kwargs["max_num_batched_tokens"], cond.label
+            graphs = cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            assert graphs == (cond.mode == "graphs"), (cond.label, cfg.compilation_config.cudagraph_mode)
+            spec = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 0
+            assert spec == cond.spec, (cond.label, spec)
+            if cond.ours:
+                assert selected_mla_backend(cfg) == OUR_CLASS, cond.label
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -288,8 +288,8 @@ DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddi
                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def hf_config(vocab_size: int, hidden_size: int = 256, intermediate_size: int = 768, num_hidden_layers: int = 4,
-              num_attention_heads: int = 16, qk_nope_head_dim: int = 32, v_head_dim: int = 32,
+def hf_config(vocab_size: int, hidden_size: int = 256, intermediate_size: int = 768, num_hidden_layers: int = 3,
+              num_attention_heads: int = 16, qk_nope_head_dim: int = 64, v_head_dim: int = 128,
               rope_scaling: dict | None = DEEPSEEK_V3_YARN, max_position_embeddings: int | None = None,
               rope_theta: float = 10000.0) -> dict:
     """A DeepseekV3ForCausalLM config vLLM 0.26 loads, with DeepSeek's MLA (kv_lora_rank 512, rope 64, YaRN rope
