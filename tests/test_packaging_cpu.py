@@ -1,5 +1,5 @@
 """A built wheel (not an editable install) carries the CUDA C++ sources the XQA kernel compiles at first use,
-and the installed package finds them there."""
+and the eval model's weights; the installed package finds the sources there."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def test_wheel_ships_csrc_and_build_finds_it(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for src in os.listdir(os.path.join(ROOT, "csrc", "xqa_mla")):
         assert f"mla_backend_plugin/kernels/xqa_sm120/csrc/{src}" in names
+    for part in ("config.json", "model.safetensors", "README.md"):  # the eval model (package data)
+        assert f"mla_backend_plugin/evals/model/{part}" in names
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True)
     found = subprocess.run([sys.executable, "-c", "from mla_backend_plugin.kernels.xqa_sm120.build import source_dir;"
