@@ -278,7 +278,7 @@ def _python(code: str) -> list[str]:
 
 def test_runner_jobs_timeouts_budget(tmp_path):
     """At most --jobs processes at once, started in order; a failure's last error line; an overdue process group
-    killed; nothing started when too little of the budget is left."""
+    killed; one the budget ends is "cut"; nothing started when too little of the budget is left."""
     import time
 
     runs = [ev.Run("sleep", _python("import time; time.sleep(1)"), None, str(tmp_path / "0.log")),
@@ -307,6 +307,13 @@ def test_runner_jobs_timeouts_budget(tmp_path):
         runner.poll()
         time.sleep(0.05)
     assert [r.status for r in late] == ["ok", "skipped"]
+    # the budget ending a condition before its own timeout is "cut", not "timeout": no verdict on it
+    slow = [ev.Run("slow", _python("import time; time.sleep(30)"), None, str(tmp_path / "slow.log"))]
+    runner = ev.Runner(slow, jobs=1, timeout_s=60, deadline=time.monotonic() + 1.0, min_start_s=0.5)
+    while not runner.done():
+        runner.poll()
+        time.sleep(0.05)
+    assert slow[0].status == "cut" and slow[0].detail.startswith("the run's time budget ended it")
 
 
 def test_eval_end_to_end_with_the_torch_condition(tmp_path):

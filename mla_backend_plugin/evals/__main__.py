@@ -416,7 +416,7 @@ def _worker_main(spec_path: str) -> int:
 
 @dataclasses.dataclass
 class Run:
-    """One process and how it ended: status pending | running | ok | failed | timeout | skipped."""
+    """One process and how it ended: status pending | running | ok | failed | timeout | cut | skipped."""
     label: str
     argv: list[str]
     env: dict[str, str] | None
@@ -473,8 +473,11 @@ class Runner:
                 run.seconds = now - run.started
         self._kill(overdue)
         for run in overdue:
-            run.status = "timeout"
-            run.detail = f"killed after {now - run.started:.0f} s; log: {_last_error_line(run.log_path)}"
+            # "cut": the whole run's budget ended it before its own timeout (not a verdict on the condition)
+            cut = run.started + self.timeout_s > now
+            run.status = "cut" if cut else "timeout"
+            why = "the run's time budget ended it" if cut else "killed"
+            run.detail = f"{why} after {now - run.started:.0f} s; log: {_last_error_line(run.log_path)}"
             run.seconds = now - run.started
         running = sum(r.status == "running" for r in self.runs)
         for run in self.runs:
