@@ -405,3 +405,26 @@ def test_rope_and_softmax_scale_are_vllms(rope_scaling):
     assert c.softmax_scale == pytest.approx(c.qk_head_dim ** -0.5 * m * m)
     if scaling:
         assert m > 1.3 and hf["max_position_embeddings"] == 163840
+
+
+def test_training_plan_is_a_function_of_the_step_and_a_cut_run_repeats(tmp_path):
+    """train.py: a step's (length, sequences) depend on the step index and seed alone; the curriculum holds 256
+    tokens, then reaches --max-len by --grow-until; --stop-after ends a plan where a time cap once did."""
+    import argparse
+    import json
+
+    from mla_backend_plugin.evals import train
+
+    args = argparse.Namespace(max_len=8192, short_share=0.2, grow_until=0.7, seed=0, tokens_per_step=65536)
+    plans = [train.step_plan(s, 1000, args) for s in range(1000)]
+    assert plans == [train.step_plan(s, 1000, args) for s in reversed(range(1000))][::-1]
+    assert max(p[0] for p in plans[:200]) <= 256 and max(p[0] for p in plans[700:]) > 4096
+    assert all(length * count <= 65536 or count == 1 for length, count, _ in plans)
+    assert len({seed for _, _, seed in plans}) == 1000
+    assert train.step_plan(5, 1000, argparse.Namespace(**{**vars(args), "seed": 1})) != plans[5]
+    out = tmp_path / "run"
+    assert train.main(["--small", "--out", str(out), "--max-len", "256", "--tokens-per-step", "512", "--steps", "8",
+                       "--stop-after", "3", "--workers", "0", "--eval-problems", "2", "--device", "cpu"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps_total"] == 8 and log["final"]["step"] == 3
+    assert EvalModel.load_hf(str(out)).c.num_hidden_layers == 2

@@ -146,7 +146,7 @@ def test_engine_end_to_end(kv_cache_dtype, page_size, decode_only):
     """sglang.Engine with cute_mla (the whole backend, or decode only in SGLang's hybrid backend): every eager
     decode call in the scheduler process matches the float32 reference on SGLang's inputs, and the CUDA-graph
     run generates what the eager run generates. The hybrid case prefills with SGLang's Triton backend: the
-    staged sglang-kernel leaves out FA3 (../shared/gpu/wheels-sglang.txt)."""
+    staged sglang-kernel leaves out FA3 (benchmarks/wheels-sglang.txt)."""
     args = ["--kv-cache-dtype", kv_cache_dtype, "--page-size", str(page_size)]
     if decode_only:
         args += ["--decode-only", "--prefill-backend", "triton"]

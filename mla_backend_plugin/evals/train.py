@@ -124,8 +124,8 @@ def steps_for_budget(times: dict[int, float], minutes: float, args) -> int:
     return max(100, int(0.9 * minutes * 60 / mean))
 
 
-def prefetched(pool, plans):
-    """The batches of ``plans`` in order, built by ``pool`` at most 2 per worker ahead (a bound: workers
+def prefetched(pool, plans, ahead: int):
+    """The batches of ``plans`` in order, built by ``pool`` at most ``ahead`` batches ahead (a bound: workers
     outrunning the GPU would otherwise pile up batches in memory)."""
     if pool is None:
         yield from map(batch_of, plans)
@@ -133,7 +133,7 @@ def prefetched(pool, plans):
     pending = collections.deque()
     for plan in plans:
         pending.append(pool.apply_async(batch_of, (plan,)))
-        if len(pending) >= 2 * pool._processes:
+        if len(pending) >= ahead:
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     step = 0
     try:
         for step, (inputs, targets, mask) in enumerate(prefetched(pool, (step_plan(s, steps, args)
-                                                                         for s in range(steps))), 1):
+                                                                         for s in range(steps)), 2 * args.workers), 1):
             if args.stop_after is not None and step > args.stop_after:
                 step -= 1
                 break
