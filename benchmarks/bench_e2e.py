@@ -8,14 +8,19 @@
 The model: examples/tiny_deepseek's DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, YaRN) at
 DeepSeek-V3's width (hidden 7168) with ``--layers`` dense layers, a small MLP and vocabulary, dummy weights, no
 tokenizer. Each backend runs in its own process (one engine, in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-CUDA graphs on unless ``--eager``, prefix caching off. Per cell (batch B, context S, n-gram speculative tokens):
-the time of a 65-token generation minus that of a 1-token one (same prompts, so the same prefill), over 64 decode
-steps, medians of ``--repeats``: time per decode step and decode tokens/s. For CUTE_MLA also the host time per
-step in our metadata builder and in ``forward_mqa`` (zero in graph replays: the graph runs without Python).
+CUDA graphs on unless ``--eager``, prefix caching off, ``--max-batched-tokens`` per step. Per cell (batch B,
+context S, n-gram speculative tokens), medians of ``--repeats``: chunked prefill makes the first requests decode
+while the last still prefill (mixed steps: prefill work, attention run eagerly), so the decode step is timed as the
+difference of two generations that both outlast that phase, n_short and n_short + 64 tokens: 64 steps in which the
+whole batch decodes under full CUDA graphs (with speculation: per 64 output tokens). ``mixed_step_ms``: what decoding
+adds per step while prompts still prefill ((t(n_short) - t(1)) / (n_short - 1): eager attention, smaller chunks).
+For CUTE_MLA also the host time per decode step in our metadata builder and in ``forward_mqa`` (a replayed step
+calls the builder once and ``forward_mqa`` never). ``--kernel-profile`` adds a CUPTI trace of the two runs: GPU
+busy time, attention-kernel time and the heaviest kernels per decode step.
 ``CUTE_MLA:<kernel>`` runs CUTE_MLA with ``CUTE_MLA_KERNEL=<kernel>``.
 
 One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
-``DIR/rows.jsonl`` and ``--report`` renders them all. Not yet run on a GPU (2026-11-23).
+``DIR/rows.jsonl`` and ``--report`` renders them all. First H100 runs: benchmarks/NOTES.md (2026-11-24).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,6 +75,54 @@ def _prompts(batch: int, context: int, spec: int, seed: int) -> list[list[int]]:
     return out
 
 
+# which kernels run in a decode step: CUPTI through torch.profiler (kernels inside graph replays included)
+ATTENTION_KERNEL = re.compile(r"(?i)mla|flash|attn|attention|splitkv|combine|fmha|mha_|decode")
+
+
+def _kernel_trace(fn) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU kernel ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in events
+            if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
+def _busy_us(kernels) -> float:
+    """GPU time with at least one kernel running (the union of the kernels' intervals)."""
+    busy, end = 0.0, float("-inf")
+    for _, start, dur in sorted(kernels, key=lambda k: k[1]):
+        if start + dur > end:
+            busy += start + dur - max(start, end)
+            end = start + dur
+    return busy
+
+
+def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
+    """Per decode step, the long run minus the short one (the same prefill): GPU busy time, kernel time, the
+    attention kernels' time (names matching ATTENTION_KERNEL) and the heaviest kernels by name."""
+    short, long = _kernel_trace(run_short), _kernel_trace(run_long)
+
+    def by_name(kernels):
+        totals: dict[str, float] = {}
+        for name, _, dur in kernels:
+            totals[name] = totals.get(name, 0.0) + dur
+        return totals
+
+    a, b = by_name(short), by_name(long)
+    per_step = {n: (b.get(n, 0.0) - a.get(n, 0.0)) / steps for n in set(a) | set(b)}
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:10]
+    return {"gpu_busy_ms": round((_busy_us(long) - _busy_us(short)) / steps / 1e3, 4),
+            "kernel_ms": round(sum(per_step.values()) / 1e3, 4),
+            "attention_kernel_ms": round(sum(v for n, v in per_step.items() if ATTENTION_KERNEL.search(n)) / 1e3, 4),
+            "kernel_launches": round((len(long) - len(short)) / steps, 1),
+            "top_kernels": [[n[:90], round(v, 1)] for n, v in top]}
+
+
 # ---------------------------------------------------------------- worker (one backend, one engine)
 
 class HostTimers:
@@ -99,6 +153,22 @@ class HostTimers:
         return {"seconds": dict(self.seconds), "calls": dict(self.calls)}
 
 
+DECODE_STEPS = 64  # full-batch decode steps timed per cell
+
+
+def mixed_steps(batch: int, context: int, max_batched_tokens: int) -> int:
+    """Steps until the last prompt of a batch has prefilled: each step's token budget goes to the decoding requests
+    (one token each) first and the rest to prefill chunks."""
+    prefill_per_step = max(1, max_batched_tokens - batch)
+    return -(-batch * context // prefill_per_step)
+
+
+def longest_run(args) -> int:
+    """Tokens generated by a cell's longest run: room the engine's max_model_len must leave past the prompt."""
+    return max(mixed_steps(b, c, args.max_batched_tokens) for b in args.batches for c in args.contexts) + 2 \
+        + DECODE_STEPS + 8
+
+
 def worker(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -118,42 +188,66 @@ def worker(args) -> None:
                                        "prompt_lookup_min": 2, "prompt_lookup_max": 8}
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, attention_backend=backend, load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=args.eager, max_model_len=max(args.contexts) + 128, max_num_seqs=max(args.batches),
+              enforce_eager=args.eager, max_model_len=max(args.contexts) + longest_run(args),
+              max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_batched_tokens,
               enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **extra)
     start_s = time.perf_counter() - t0
-    rows = []
     for context in args.contexts:
         for batch in args.batches:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, context, args.worker_spec, 0)]
-
-            def run(n: int, prompts=prompts) -> tuple[float, list]:
-                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-                t = time.perf_counter()
-                out = llm.generate(prompts, params, use_tqdm=False)
-                return time.perf_counter() - t, out
-
-            run(2)  # warm-up of this shape
-            one = statistics.median(run(1)[0] for _ in range(args.repeats))
-            before = timers.snapshot() if timers else None
-            many = []
-            for _ in range(args.repeats):
-                seconds, _out = run(65)
-                many.append(seconds)
-            after = timers.snapshot() if timers else None
-            step = (statistics.median(many) - one) / 64
-            row = {"backend": args.worker_backend, "batch": batch, "context": context, "spec": args.worker_spec,
-                   "graphs": not args.eager, "step_ms": round(step * 1e3, 4),
-                   "tokens_per_s": round(batch / step, 1) if step > 0 else None, "start_s": round(start_s, 1),
-                   "t1_s": round(one, 4), "t65_s": round(statistics.median(many), 4)}
-            if timers:
-                steps = 64 * args.repeats
-                for key in ("builder", "forward_mqa"):
-                    spent = after["seconds"][key] - before["seconds"][key]
-                    row[f"{key}_us_per_step"] = round(spent / steps * 1e6, 1)
-                    row[f"{key}_calls"] = after["calls"][key] - before["calls"][key]
-            rows.append(row)
+            row = measure_cell(llm, SamplingParams, prompts, timers, args, batch, context)
+            row["start_s"] = round(start_s, 1)
             print("ROW " + json.dumps(row), flush=True)
     print("DONE", flush=True)
+
+
+def measure_cell(llm, sampling_params, prompts, timers: HostTimers | None, args, batch: int, context: int) -> dict:
+    """One cell's row. Chunked prefill hands out max_num_batched_tokens per step, so the first requests decode while
+    the last ones still prefill: those mixed steps run attention eagerly (piecewise graphs) and carry prefill work.
+    A request of an n-token run decodes for n - 1 steps after its prefill, so two runs that both outlast the mixed
+    phase differ by exactly (n_long - n_short) steps in which the whole batch decodes (full CUDA graphs): that
+    difference is the decode step. The mixed phase is reported apart."""
+
+    def run(n: int) -> float:
+        params = sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        before = timers.snapshot() if timers else None
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        if timers:
+            after = timers.snapshot()
+            hosts.setdefault(n, []).append(
+                {k: after["seconds"][k] - before["seconds"][k] for k in after["seconds"]}
+                | {f"{k}_calls": after["calls"][k] - before["calls"][k] for k in after["calls"]})
+        return seconds
+
+    hosts: dict[int, list] = {}
+    run(2)  # warm-up of this shape
+    n_short = mixed_steps(batch, context, args.max_batched_tokens) + 2
+    n_long = n_short + DECODE_STEPS
+    t = {n: statistics.median(run(n) for _ in range(args.repeats)) for n in (1, n_short, n_long)}
+    step = (t[n_long] - t[n_short]) / DECODE_STEPS
+    row = {"backend": args.worker_backend, "batch": batch, "context": context, "spec": args.worker_spec,
+           "graphs": not args.eager, "step_ms": round(step * 1e3, 4),
+           "tokens_per_s": round(batch / step, 1) if step > 0 else None,
+           # what decoding adds per step while prompts still prefill (the prefill itself cancels), for comparison
+           "mixed_step_ms": round((t[n_short] - t[1]) / (n_short - 1) * 1e3, 4),
+           "t1_s": round(t[1], 4), "n_short": n_short, "t_short_s": round(t[n_short], 4),
+           "n_long": n_long, "t_long_s": round(t[n_long], 4)}
+    if timers:
+        # host time in our hooks per decode step, differenced like the step time (under full graphs a replayed
+        # step calls the builder once and forward_mqa never)
+        def median(field: str, n: int) -> float:
+            return statistics.median(h[field] for h in hosts[n])
+
+        for key in ("builder", "forward_mqa"):
+            row[f"{key}_us_per_step"] = round((median(key, n_long) - median(key, n_short)) / DECODE_STEPS * 1e6, 1)
+            row[f"{key}_calls_per_step"] = round(
+                (median(f"{key}_calls", n_long) - median(f"{key}_calls", n_short)) / DECODE_STEPS, 2)
+            row[f"{key}_us_mixed_phase"] = round((median(key, n_short) - median(key, 1)) * 1e6, 1)
+    if args.kernel_profile:
+        row.update(kernel_profile_per_step(lambda: run(n_short), lambda: run(n_long), DECODE_STEPS))
+    return row
 
 
 # ---------------------------------------------------------------- driver
@@ -162,7 +256,9 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None) -> list[
     cmd = [sys.executable, __file__, "--worker-backend", backend, "--worker-spec", str(spec), "--model-dir",
            args.model_dir, "--batches", ",".join(map(str, args.batches)), "--contexts",
            ",".join(map(str, args.contexts)), "--repeats", str(args.repeats), "--gpu-memory-utilization",
-           str(args.gpu_memory_utilization)] + (["--eager"] if args.eager else [])
+           str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens)] \
+        + (["--eager"] if args.eager else []) \
+        + (["--kernel-profile"] if args.kernel_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0:
@@ -192,8 +288,10 @@ def render(out_dir: Path) -> Path:
     rows = [json.loads(line) for line in (out_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "step_ms" in r]
     lines = ["# End-to-end decode through vLLM", "",
-             "Time per decode step ((t65 - t1) / 64, medians) and decode tokens/s per backend; host time per step in "
-             "CUTE_MLA's builder and forward_mqa.", ""]
+             "Time per decode step (the whole batch decoding under CUDA graphs: two generations past the prefill "
+             "phase, differenced over 64 steps, medians) and decode tokens/s per backend; host time per step in "
+             "CUTE_MLA's builder and forward_mqa. `mixed`: what decoding adds per step (ms) while prompts still "
+             "prefill in chunks (eager attention, smaller chunks; the prefill itself cancels).", ""]
     keys = sorted({(r["context"], r["spec"], r["graphs"]) for r in timed})
     for context, spec, graphs in keys:
         cell = [r for r in timed if (r["context"], r["spec"], r["graphs"]) == (context, spec, graphs)]
@@ -204,11 +302,29 @@ def render(out_dir: Path) -> Path:
                   "forward_mqa us/step |", "|---|" + "---:|" * (len(batches) + 2)]
         for b in backends:
             by_batch = {r["batch"]: r for r in cell if r["backend"] == b}
-            texts = [f"{by_batch[x]['step_ms']:.3f} ({by_batch[x]['tokens_per_s']})" if x in by_batch else "-"
-                     for x in batches]
+            texts = [f"{by_batch[x]['step_ms']:.3f} ({by_batch[x]['tokens_per_s']})"
+                     + (f"; mixed {by_batch[x]['mixed_step_ms']:.2f}" if "mixed_step_ms" in by_batch[x] else "")
+                     if x in by_batch else "-" for x in batches]
             last = by_batch.get(batches[-1], {})
             lines.append(f"| {b} | " + " | ".join(texts) + f" | {last.get('builder_us_per_step', '-')} | "
                          f"{last.get('forward_mqa_us_per_step', '-')} |")
+        lines.append("")
+    profiled = [r for r in timed if "gpu_busy_ms" in r]
+    if profiled:
+        lines += ["## Where a decode step goes (CUPTI kernel trace, per decode step: the long run minus the short one)",
+                  "", "Attention: kernels whose names match the decode attention kernels (ours, FlashMLA's, FA3's, "
+                  "their combines); the rest of the step is the model's other kernels plus GPU idle time.", "",
+                  "| backend | S | B | n-gram | step ms | GPU busy ms | idle ms | attention kernels ms | "
+                  "step - attention ms | kernels/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['spec']} | {r['step_ms']:.3f} | "
+                         f"{r['gpu_busy_ms']:.3f} | {r['step_ms'] - r['gpu_busy_ms']:.3f} | "
+                         f"{r['attention_kernel_ms']:.3f} | {r['step_ms'] - r['attention_kernel_ms']:.3f} | "
+                         f"{r['kernel_launches']} |")
+        lines += ["", "Heaviest kernels per step (us):", ""]
+        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+            kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
+            lines.append(f"- {r['backend']} S={r['context']} B={r['batch']}: {kernels}")
         lines.append("")
     starts = [r for r in rows if "start" in r]
     if starts:
@@ -226,7 +342,7 @@ def render(out_dir: Path) -> Path:
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
     _plot(timed, out_dir)
     return md
 
@@ -268,6 +384,11 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--max-batched-tokens", type=int, default=16384,
+                        help="the engine's max_num_batched_tokens (chunked prefill budget per step)")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="per cell, also trace one short and one long run's kernels (CUPTI): GPU busy and "
+                             "attention-kernel time per step, the heaviest kernels")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--timeout", type=float, default=560)
     parser.add_argument("--out-dir", default=None)

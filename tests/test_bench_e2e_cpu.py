@@ -51,3 +51,69 @@ def test_report_from_rows(tmp_path):
     assert "| CUTE_MLA | 1.000 (1000.0) | 2.000 (16000.0) | 12.5 | 0.0 |" in md
     assert "| CUTE_MLA | cold | 86.7 |" in md and "TRITON_MLA: `boom`" in md
     assert (tmp_path / "results.csv").read_text().count("\n") == len(rows) + 1
+
+
+def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
+    bench = _bench()
+    # the union of kernel intervals: overlapping kernels count once, gaps not at all
+    assert bench._busy_us([("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]) == 20.0
+    assert bench.ATTENTION_KERNEL.search("flash_fwd_splitkv_mla_kernel") and not bench.ATTENTION_KERNEL.search(
+        "sm90_xmma_gemm_bf16bf16")
+    row = {"backend": "CUTE_MLA", "batch": 32, "context": 8192, "spec": 0, "graphs": True, "step_ms": 5.0,
+           "tokens_per_s": 6400.0, "start_s": 60.0, "gpu_busy_ms": 4.5, "kernel_ms": 4.6, "attention_kernel_ms": 1.25,
+           "kernel_launches": 80.0, "top_kernels": [["mla_decode_sm90", 300.0], ["gemm", 200.0]]}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    md = bench.render(tmp_path).read_text()
+    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | 4.500 | 0.500 | 1.250 | 3.750 | 80.0 |" in md
+    assert "`mla_decode_sm90` 300.0" in md
+    assert '[[""mla_decode_sm90"", 300.0]' in (tmp_path / "results.csv").read_text()
+
+
+class _ChunkedPrefillEngine:
+    """A stand-in for vLLM's scheduler and clock: each step hands ``budget`` tokens out, one to each decoding
+    request first, the rest to prompts in order; a request's first token comes with the end of its prefill. A step
+    where the whole batch decodes costs ``decode_s``; a step with prefill costs more (its prefill tokens)."""
+
+    def __init__(self, batch, context, budget, decode_s=0.004, prefill_s_per_token=2e-7, mixed_overhead_s=0.003):
+        self.batch, self.context, self.budget = batch, context, budget
+        self.decode_s, self.per_token, self.mixed = decode_s, prefill_s_per_token, mixed_overhead_s
+        self.now = 0.0
+
+    def clock(self):
+        return self.now
+
+    def generate(self, prompts, params, use_tqdm=False):
+        left = [self.context] * self.batch  # prompt tokens still to prefill
+        made = [0] * self.batch  # tokens generated
+        while any(m < params.max_tokens for m in made):
+            decoding = [i for i in range(self.batch) if left[i] == 0 and 0 < made[i] < params.max_tokens]
+            room = self.budget - len(decoding)
+            prefilled = 0
+            for i in range(self.batch):
+                if left[i] and room:
+                    take = min(left[i], room)
+                    left[i] -= take
+                    room -= take
+                    prefilled += take
+                    if left[i] == 0:
+                        made[i] = 1
+            for i in decoding:
+                made[i] += 1
+            self.now += self.decode_s + (self.mixed + prefilled * self.per_token if prefilled else 0.0)
+
+
+def test_measure_cell_times_the_steps_where_the_whole_batch_decodes(monkeypatch):
+    import argparse
+
+    bench = _bench()
+    for batch, context in ((32, 8192), (128, 8192), (4, 1024)):
+        engine = _ChunkedPrefillEngine(batch, context, budget=16384)
+        monkeypatch.setattr(bench.time, "perf_counter", engine.clock)
+        args = argparse.Namespace(max_batched_tokens=16384, repeats=1, worker_backend="X", worker_spec=0,
+                                  eager=False, kernel_profile=False)
+        row = bench.measure_cell(engine, argparse.Namespace, [None] * batch, None, args, batch, context)
+        # the decode step exactly, although the first requests decode during a long mixed phase
+        assert abs(row["step_ms"] - 4.0) < 1e-6, (batch, context, row)
+        assert row["n_long"] - row["n_short"] == bench.DECODE_STEPS
+        # where prompts need several steps to prefill, those steps cost more than a decode step
+        assert (row["mixed_step_ms"] > 4.05) == (batch * context > 16384), row
