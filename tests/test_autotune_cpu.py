@@ -256,6 +256,65 @@ def test_tune_shape_and_keys_with_a_stand_in_measurement(fakes, tmp_path):
     assert report["tuned"] == 0 and len(report["not_reached"]) == 1  # the budget is spent
 
 
+def test_a_choice_is_the_best_worst_case_over_length_profiles():
+    # the H100's fp8 B=8 S=32k cells (2026-11-24): the default wins on uniform lengths by 0.2%, the split cap wins
+    # by 10% when one request is long and the rest short
+    uniform = {"default": 306.0, "splits64": 306.7, "dequant": 417.6}
+    one_long = {"default": 72.0, "splits64": 64.9, "dequant": 90.0}
+    assert autotune.choose(uniform, "default") == "default"
+    assert autotune.choose_minimax({"uniform": uniform, "one-long": one_long}, "default") == "splits64"
+    # a profile where nothing could be timed does not decide; with one profile it is ``choose``
+    assert autotune.choose_minimax({"uniform": uniform, "one-long": {}}, "default") == "default"
+    assert autotune.choose_minimax({"uniform": {}}, None) is None
+    # a candidate missing from a profile cannot be the answer
+    assert autotune.choose_minimax({"uniform": uniform, "one-long": {"default": 72.0, "dequant": 90.0}},
+                                   "default") == "default"
+
+
+def test_length_profiles():
+    key = ShapeKey(HOPPER, "bf16", "bf16", "bf16", 16, 1, 64, "pair", "none", 4, 4096)
+    assert autotune.profiles_for(key) == ("uniform", "one-long")
+    assert autotune.profiles_for(dataclasses.replace(key, batch=1)) == ("uniform",)
+    assert autotune.profiles_for(dataclasses.replace(key, seq=autotune.ONE_LONG_SHORT)) == ("uniform",)
+    assert autotune.profile_lengths("one-long", 4, 4096) == [4096, 1024, 1024, 1024]
+    assert autotune.profile_lengths("uniform", 2, 4096) == [4096, 4096]
+    with pytest.raises(ValueError, match="one-long"):
+        autotune.profile_lengths("ragged", 2, 4096)
+
+
+def test_tune_shape_times_every_length_profile_and_keeps_the_best_worst_case(fakes, tmp_path):
+    key = ShapeKey(HOPPER, "bf16", "bf16", "bf16", 16, 1, 64, "pair", "none", 4, 4096)
+    seen_lengths = []
+
+    def measure(key, candidates, static, inputs, copies, workspace, deadline, time_per_candidate):
+        lengths = inputs.seq_lens_list
+        seen_lengths.append(lengths)
+        one_long = lengths != [key.seq] * key.batch
+        # "slow" (the static choice) wins on uniform lengths; fast's split cap wins by far on one long request
+        times = {"slow": 100.0, "fast": 100.5} if not one_long else {"slow": 80.0, "fast": 50.0}
+        return {c.cid: times[c.kernel] + (0.3 if c.config.max_splits else 0.0) for c in candidates}, {}
+
+    result = autotune.tune_shape(key, "cpu", kernels=["slow", "fast"], measure=measure)
+    assert seen_lengths == [[4096] * 4, [4096, 1024, 1024, 1024]]
+    assert result.labels[result.winner].startswith("fast:") and result.labels[result.static].startswith("slow:")
+    assert set(result.profile_timings_us) == {"one-long"} and result.timings_us[result.static] == 100.0
+    # the cache keeps both profiles' timings
+    cache = TuneCache(str(tmp_path / "c.json"), _ctx())
+    cache.put(result)
+    cache.save()
+    again = TuneCache(str(tmp_path / "c.json"), _ctx())
+    again.load()
+    assert again.get(key).profile_timings_us == result.profile_timings_us and again.get(key).winner == result.winner
+
+
+def test_a_cache_of_the_uniform_only_format_is_ignored(tmp_path, caplog):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": 1, "contexts": {}, "entries": {}}))
+    with caplog.at_level(logging.INFO, logger="mla_backend_plugin"):
+        assert TuneCache(str(path), _ctx()).load() == 0
+    assert "cache format 1" in caplog.text
+
+
 def test_tuning_inputs_stay_within_memory(fakes):
     key = ShapeKey(HOPPER, "bf16", "bf16", "bf16", 16, 1, 64, "pair", "none", 4, 4096)
     full, copies = autotune.tuning_inputs(key, "cpu", l2_bytes=16 * 2**20)

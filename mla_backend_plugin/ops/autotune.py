@@ -63,7 +63,9 @@ MAX_SEQ_BUCKET = 1 << 17
 # A candidate replaces the static choice only when it is at least this much faster (run-to-run spread of a
 # median is ~1% in one process; benchmarks/NOTES.md).
 MIN_GAIN = 0.01
-CACHE_FORMAT = 1
+# 2: a choice is the best worst case over the length profiles (LENGTH_PROFILES); format-1 entries were chosen on
+# uniform lengths alone and are ignored
+CACHE_FORMAT = 2
 DEFAULT_CACHE_FILE = os.path.join("~", ".cache", "mla_backend_plugin", "autotune.json")
 # Timing of one candidate (ops/timing.py): seconds of replays, replay counts, calls per graph, KV copies.
 TIME_PER_CANDIDATE_S = 0.03
@@ -74,6 +76,13 @@ L2_FACTOR = 2.0
 INPUT_MEMORY_SHARE = 0.4
 _STICKY_CUDA_ERRORS = ("illegal memory access", "illegal instruction", "misaligned address",
                        "unspecified launch failure", "device-side assert")
+
+# The length distributions a key is timed on. Under full CUDA graphs one choice serves every step of its (batch,
+# longest length) bucket whatever the other lengths are, and uniform lengths alone miss that one long request among
+# short ones wants more splits (H100, fp8 B=8 at 32k: the uniform choice 1.11x the best; benchmarks/NOTES.md,
+# 2026-11-24). The choice is the candidate whose worst ratio to a profile's best is lowest (``choose_minimax``).
+LENGTH_PROFILES = ("uniform", "one-long")
+ONE_LONG_SHORT = 1024  # the short requests of "one-long" (bench_decode.py --ragged one-long's default)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", FP8_DTYPE: "fp8"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -270,18 +279,22 @@ class TuneResult:
     labels: dict[str, str]
     seconds: float
     tuned_at: str = ""
+    # the other length profiles' timings (``timings_us`` is the uniform profile's): profile -> cid -> us
+    profile_timings_us: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def as_entry(self) -> dict:
         return {"key": self.key.as_dict(), "timings_us": self.timings_us, "refused": self.refused,
                 "winner": self.winner, "static": self.static, "labels": self.labels,
-                "seconds": round(self.seconds, 3), "tuned_at": self.tuned_at}
+                "seconds": round(self.seconds, 3), "tuned_at": self.tuned_at,
+                "profile_timings_us": self.profile_timings_us}
 
     @classmethod
     def from_entry(cls, entry: dict) -> TuneResult:
         return cls(key=ShapeKey.from_dict(entry["key"]), timings_us=dict(entry["timings_us"]),
                    refused=dict(entry.get("refused", {})), winner=entry.get("winner"), static=entry.get("static"),
                    labels=dict(entry.get("labels", {})), seconds=float(entry.get("seconds", 0.0)),
-                   tuned_at=entry.get("tuned_at", ""))
+                   tuned_at=entry.get("tuned_at", ""),
+                   profile_timings_us={p: dict(t) for p, t in entry.get("profile_timings_us", {}).items()})
 
     def summary(self) -> str:
         if self.winner is None:
@@ -301,6 +314,35 @@ def choose(timings_us: dict[str, float], static: str | None, min_gain: float = M
     if static in timings_us and timings_us[static] * (1.0 - min_gain) <= timings_us[best]:
         return static
     return best
+
+
+def profile_lengths(profile: str, batch: int, seq: int) -> list[int]:
+    """The KV lengths of a length profile's ``batch`` requests whose longest is ``seq``."""
+    if profile == "uniform":
+        return [seq] * batch
+    if profile == "one-long":
+        return [seq] + [min(seq, ONE_LONG_SHORT)] * (batch - 1)
+    raise ValueError(f"autotune: length profile {profile!r} is not one of {LENGTH_PROFILES}")
+
+
+def profiles_for(key: ShapeKey) -> tuple[str, ...]:
+    """The profiles worth timing for ``key``: one request, or nothing shorter than the short ones, and they
+    coincide with the uniform profile."""
+    return ("uniform",) if key.batch == 1 or key.seq <= ONE_LONG_SHORT else LENGTH_PROFILES
+
+
+def choose_minimax(timings_by_profile: dict[str, dict[str, float]], static: str | None,
+                   min_gain: float = MIN_GAIN) -> str | None:
+    """One candidate for every length profile: among those timed in all of them, the lowest worst-case ratio to
+    each profile's best (the static choice kept unless a candidate beats its worst case by ``min_gain``)."""
+    profiles = [t for t in timings_by_profile.values() if t]
+    if len(profiles) <= 1:
+        return choose(profiles[0] if profiles else {}, static, min_gain)
+    common = set.intersection(*(set(t) for t in profiles))
+    if not common:
+        return choose(profiles[0], static, min_gain)
+    worst = {cid: max(t[cid] / min(t.values()) for t in profiles) for cid in common}
+    return choose(worst, static, min_gain)
 
 
 def choose_for_profile(results: list[TuneResult], min_gain: float = MIN_GAIN) -> str | None:
@@ -670,10 +712,11 @@ class BudgetExceeded(Exception):
 
 
 def tuning_inputs(key: ShapeKey, device, *, max_blocks: int | None = None, max_input_bytes: int | None = None,
-                  l2_bytes: int | None = None, seed: int = 0):
-    """(DecodeInputs, KV copies) for timing ``key``: ``key.batch`` requests of ``key.seq`` tokens (at most
-    ``max_blocks`` pages: the engine's block-table width), KV copies adding up to L2_FACTOR x L2, within
-    ``max_input_bytes`` (past it, fewer copies, then a pool of pages that requests share)."""
+                  l2_bytes: int | None = None, seed: int = 0, profile: str = "uniform"):
+    """(DecodeInputs, KV copies) for timing ``key``: ``key.batch`` requests of the length profile ``profile``
+    whose longest has ``key.seq`` tokens (at most ``max_blocks`` pages: the engine's block-table width), KV copies
+    adding up to L2_FACTOR x L2, within ``max_input_bytes`` (past it, fewer copies, then a pool of pages that
+    requests share)."""
     from mla_backend_plugin.ops.timing import kv_copies_for
     from mla_backend_plugin.testing import make_decode_inputs
 
@@ -693,7 +736,8 @@ def tuning_inputs(key: ShapeKey, device, *, max_blocks: int | None = None, max_i
     q_form = "fp8" if key.q_dtype == "fp8" else key.q_form
     fp8_kv = key.kv_dtype == "fp8"
     inputs = make_decode_inputs(
-        key.batch, [seq] * key.batch, key.q_len, key.num_heads, bs, kv_dtype, q_form, device, seed,
+        key.batch, profile_lengths(profile, key.batch, seq), key.q_len, key.num_heads, bs, kv_dtype, q_form,
+        device, seed,
         q_dtype=None if q_form == "fp8" else DTYPES[key.q_dtype], out_dtype=DTYPES[key.out_dtype],
         q_scale=0.5 if q_form == "fp8" else None, kv_scale=0.5 if fp8_kv else None, max_blocks=width,
         num_blocks=pool, share_pages=pool is not None, poison=None, kv_copies=copies)
@@ -765,9 +809,10 @@ def tune_shape(key: ShapeKey, device, *, kernels: Iterable[str] | None = None, m
                deadline: float | None = None, time_per_candidate: float = TIME_PER_CANDIDATE_S,
                max_input_bytes: int | None = None, extra_configs: dict[str, list[LaunchConfig]] | None = None,
                measure: Callable | None = None, workspace_factory: Callable | None = None) -> TuneResult:
-    """Time every candidate of ``key`` on ``device`` and pick the winner (``choose``). ``measure`` replaces
-    ``measure_on_gpu`` (tests); ``workspace_factory(key, device)`` makes the workspace (default: one like the
-    serving backends make, with room for every split cap)."""
+    """Time every candidate of ``key`` on ``device`` on each of its length profiles (``profiles_for``) and pick
+    the best worst case (``choose_minimax``). ``measure`` replaces ``measure_on_gpu`` (tests);
+    ``workspace_factory(key, device)`` makes the workspace (default: one like the serving backends make, with room
+    for every split cap)."""
     from mla_backend_plugin.ops.api import prepare_args
     from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace
 
@@ -792,22 +837,40 @@ def tune_shape(key: ShapeKey, device, *, kernels: Iterable[str] | None = None, m
     static = static_candidate(args) if device.type == "cuda" else (candidates[0] if candidates else None)
     if static is not None and static not in candidates:
         static = None
+    del args, out, lse  # views of the first profile's inputs: let the next profile reuse their memory
     measure = measure or measure_on_gpu
-    try:
-        timings, more_refused = measure(key, candidates, static, inputs, copies, workspace, deadline,
-                                        time_per_candidate)
-    except BudgetExceeded:
-        del inputs, args, out, lse, workspace
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        raise
-    refused.update(more_refused)
     labels = {c.cid: c.label for c in candidates}
     static_id = static.cid if static is not None else None
-    result = TuneResult(key=key, timings_us=timings, refused=refused, winner=choose(timings, static_id),
-                        static=static_id, labels=labels, seconds=time.monotonic() - t0,
-                        tuned_at=datetime.datetime.now().isoformat(timespec="seconds"))
-    del inputs, args, out, lse, workspace
+    timings_by_profile: dict[str, dict[str, float]] = {}
+    for profile in profiles_for(key):
+        if profile != "uniform":  # the next profile's inputs, in the memory of the last one's
+            if not timings_by_profile["uniform"]:
+                break  # nothing could be timed
+            del inputs
+            inputs, copies = tuning_inputs(key, device, max_blocks=max_blocks, max_input_bytes=max_input_bytes,
+                                           l2_bytes=l2, profile=profile)
+            # only what the first profile could time (a candidate that failed there is refused already)
+            candidates = [c for c in candidates if c.cid in timings_by_profile["uniform"]]
+            if static is not None and static not in candidates:
+                static = None
+        try:
+            timings, more_refused = measure(key, candidates, static, inputs, copies, workspace, deadline,
+                                            time_per_candidate)
+        except BudgetExceeded:
+            del inputs, workspace
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
+        timings_by_profile[profile] = timings
+        refused.update({label: f"{profile} lengths: {why}" if profile != "uniform" else why
+                        for label, why in more_refused.items()})
+    uniform = timings_by_profile.pop("uniform")
+    winner = choose_minimax({"uniform": uniform, **timings_by_profile}, static_id)
+    result = TuneResult(key=key, timings_us=uniform, refused=refused, winner=winner, static=static_id,
+                        labels=labels, seconds=time.monotonic() - t0,
+                        tuned_at=datetime.datetime.now().isoformat(timespec="seconds"),
+                        profile_timings_us=timings_by_profile)
+    del inputs, workspace
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
