@@ -30,9 +30,10 @@ significantly less accurate (two-proportion test, p < 0.01) than the reference o
 the same KV dtype, or its KL is far above theirs, or one of its conditions did not finish.
 
 Real checkpoints: ``--model DIR`` takes any model directory in this package's format (config.json +
-model.safetensors of a DeepseekV3ForCausalLM with the eval vocabulary). For a real DeepSeek checkpoint
-(e.g. DeepSeek-V2-Lite) use lm-eval through vLLM, which needs a tokenizer and a task of its own (README.md has
-the command); that path was not run here (no checkpoint can be downloaded).
+model.safetensors of a DeepseekV3ForCausalLM with the eval vocabulary). A real DeepSeek checkpoint (e.g.
+DeepSeek-V2-Lite, with its tokenizer) takes an lm-eval task instead: ``--model DIR --lm-eval-task gsm8k`` runs
+lm-eval through vLLM once per backend and compares the scores (``lm_eval_route.py``); that path was not run here
+(no checkpoint can be downloaded).
 """
 
 from __future__ import annotations
@@ -688,7 +689,25 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, help="seconds for the whole run (default: the plan's)")
     parser.add_argument("--out", default="eval_results")
     parser.add_argument("--dry-run", action="store_true")
+    real = parser.add_argument_group("a real checkpoint through lm-eval (lm_eval_route.py)")
+    real.add_argument("--lm-eval-task", help="an lm-eval task (e.g. gsm8k): run --model (an HF directory with its "
+                                             "tokenizer) through lm-eval once per backend instead of the "
+                                             "synthetic tasks")
+    real.add_argument("--limit", type=int, help="lm-eval: at most this many examples of the task")
+    real.add_argument("--lm-eval-model-args", default="",
+                      help="lm-eval: more vLLM arguments, comma-separated (e.g. tensor_parallel_size=8)")
     args = parser.parse_args(argv)
+    if args.lm_eval_task:
+        from mla_backend_plugin.evals import lm_eval_route
+
+        if args.model == MODEL_DIR:
+            parser.error("--lm-eval-task needs --model: a real checkpoint with its tokenizer")
+        kv = _split(args.kv_dtypes) or ["auto"]
+        if len(kv) != 1:
+            parser.error(f"--lm-eval-task runs one KV dtype per call, got {args.kv_dtypes}")
+        return lm_eval_route.run(args.model, args.lm_eval_task, _split(args.backends) or list(BACKENDS), args.out,
+                                 kv_cache_dtype=kv[0], limit=args.limit, model_args=args.lm_eval_model_args,
+                                 timeout_s=args.timeout)
 
     plan = PLANS[args.plan]()
     lengths = _split(args.lengths, int) or list(plan.lengths)
