@@ -182,7 +182,10 @@ def progress(items):
 
 
 def print_table(results) -> None:
-    print(f"\n{'shape':<80} {'winner':<42} {'us':>9} {'static us':>9} {'gain':>6}")
+    """Per shape: the winner, its time and the static choice's on uniform lengths, and where the shape was also
+    timed with one long request among short ones (``one-long``), the same two there: the winner is the best worst
+    case over both, so it may trail the static choice on one of them."""
+    print(f"\n{'shape':<80} {'winner':<42} {'us':>9} {'static us':>9} {'gain':>6}  one-long us (static)")
     for r in results:
         if r.winner is None:
             print(f"{r.key.id():<80} {'(nothing timed)':<42}")
@@ -191,8 +194,11 @@ def print_table(results) -> None:
         static = r.timings_us.get(r.static)
         gain = f"{static / best:.2f}x" if static else "-"
         static_text = f"{static:.1f}" if static else "-"
+        other = r.profile_timings_us.get("one-long", {})
+        one_long = (f"  {other[r.winner]:.1f} ({other[r.static]:.1f})" if r.winner in other and r.static in other
+                    else "")
         print(f"{r.key.id():<80} {r.labels.get(r.winner, r.winner)[:42]:<42} {best:>9.1f} {static_text:>9} "
-              f"{gain:>6}")
+              f"{gain:>6}{one_long}")
 
 
 def main(argv=None) -> int:

@@ -497,3 +497,15 @@ def test_the_gpu_measurement_path_with_the_timing_core_stubbed(fakes, monkeypatc
     assert result.labels[result.static] == "slow:balanced pdl" and result.winner == result.static
     assert captured == [8] * 4  # calls per graph: a multiple of the KV copies, at least 8
     assert all(name == "slow" for name, _ in fakes[:1])  # the static choice ran first: the others' reference
+
+
+def test_the_tune_table_shows_both_length_profiles(capsys):
+    from mla_backend_plugin import tune
+
+    key = ShapeKey(HOPPER, "fp8", "bf16", "bf16", 128, 1, 64, "pair", "tensor", 8, 32768)
+    result = TuneResult(key=key, timings_us={"a": 306.0, "b": 306.7}, refused={}, winner="b", static="a",
+                        labels={"a": "default", "b": "splits64"}, seconds=1.0,
+                        profile_timings_us={"one-long": {"a": 72.0, "b": 64.9}})
+    tune.print_table([result, dataclasses.replace(result, profile_timings_us={})])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "splits64" in line]
+    assert rows[0].endswith("306.7     306.0  1.00x  64.9 (72.0)") and rows[1].endswith("1.00x")
