@@ -509,3 +509,18 @@ def test_the_tune_table_shows_both_length_profiles(capsys):
     tune.print_table([result, dataclasses.replace(result, profile_timings_us={})])
     rows = [line for line in capsys.readouterr().out.splitlines() if "splits64" in line]
     assert rows[0].endswith("306.7     306.0  1.00x  64.9 (72.0)") and rows[1].endswith("1.00x")
+
+
+def test_the_choice_over_several_length_buckets_keeps_each_buckets_worst_case():
+    key = ShapeKey(HOPPER, "fp8", "bf16", "bf16", 128, 1, 64, "pair", "tensor", 8, 8192)
+    # uniform lengths favour "a" slightly in both buckets; with one long request "b" is far ahead in the long one
+    short = TuneResult(key=key, timings_us={"a": 100.0, "b": 100.5}, refused={}, winner="a", static="a",
+                       labels={}, seconds=0.0, profile_timings_us={"one-long": {"a": 50.0, "b": 49.8}})
+    long = TuneResult(key=dataclasses.replace(key, seq=32768), timings_us={"a": 306.0, "b": 306.7}, refused={},
+                      winner="b", static="a", labels={}, seconds=0.0,
+                      profile_timings_us={"one-long": {"a": 72.0, "b": 64.9}})
+    assert long.ratios_to_best() == pytest.approx({"a": 72.0 / 64.9, "b": 306.7 / 306.0})
+    assert autotune.choose_for_profile([short, long]) == "b"
+    # on uniform timings alone the profile would keep "a"
+    uniform_only = [dataclasses.replace(r, profile_timings_us={}) for r in (short, long)]
+    assert autotune.choose_for_profile(uniform_only) == "a"

@@ -296,6 +296,12 @@ class TuneResult:
                    tuned_at=entry.get("tuned_at", ""),
                    profile_timings_us={p: dict(t) for p, t in entry.get("profile_timings_us", {}).items()})
 
+    def ratios_to_best(self) -> dict[str, float]:
+        """Per candidate, its worst ratio to the best time over this shape's length profiles (the uniform profile's
+        alone where the profiles have no candidate in common)."""
+        return (worst_ratios({"uniform": self.timings_us, **self.profile_timings_us})
+                or worst_ratios({"uniform": self.timings_us}))
+
     def summary(self) -> str:
         if self.winner is None:
             return f"{self.key.id()}: nothing could be timed ({len(self.refused)} refused)"
@@ -326,9 +332,18 @@ def profile_lengths(profile: str, batch: int, seq: int) -> list[int]:
 
 
 def profiles_for(key: ShapeKey) -> tuple[str, ...]:
-    """The profiles worth timing for ``key``: one request, or nothing shorter than the short ones, and they
-    coincide with the uniform profile."""
+    """The profiles worth timing for ``key``: with one request, or none longer than the short ones of
+    "one-long", every profile is the uniform one."""
     return ("uniform",) if key.batch == 1 or key.seq <= ONE_LONG_SHORT else LENGTH_PROFILES
+
+
+def worst_ratios(timings_by_profile: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per candidate timed under every (non-empty) profile: its worst ratio to that profile's best time."""
+    profiles = [t for t in timings_by_profile.values() if t]
+    if not profiles:
+        return {}
+    common = set.intersection(*(set(t) for t in profiles))
+    return {cid: max(t[cid] / min(t.values()) for t in profiles) for cid in common}
 
 
 def choose_minimax(timings_by_profile: dict[str, dict[str, float]], static: str | None,
@@ -336,28 +351,26 @@ def choose_minimax(timings_by_profile: dict[str, dict[str, float]], static: str 
     """One candidate for every length profile: among those timed in all of them, the lowest worst-case ratio to
     each profile's best (the static choice kept unless a candidate beats its worst case by ``min_gain``)."""
     profiles = [t for t in timings_by_profile.values() if t]
-    if len(profiles) <= 1:
+    worst = worst_ratios(timings_by_profile) if len(profiles) > 1 else {}
+    if not worst:  # one profile, or no candidate timed in all: the first profile decides
         return choose(profiles[0] if profiles else {}, static, min_gain)
-    common = set.intersection(*(set(t) for t in profiles))
-    if not common:
-        return choose(profiles[0], static, min_gain)
-    worst = {cid: max(t[cid] / min(t.values()) for t in profiles) for cid in common}
     return choose(worst, static, min_gain)
 
 
 def choose_for_profile(results: list[TuneResult], min_gain: float = MIN_GAIN) -> str | None:
     """One candidate for several KV-length buckets (a CUDA graph serves all of them): among the candidates timed
-    in every bucket, the one with the best geometric mean of time / the bucket's best time."""
+    in every bucket, the one with the best geometric mean of its ratio to the bucket's best time (per bucket the
+    worst ratio over the bucket's length profiles, ``TuneResult.ratios_to_best``)."""
     results = [r for r in results if r.timings_us]
     if not results:
         return None
     if len(results) == 1:
         return results[0].winner
-    common = set.intersection(*(set(r.timings_us) for r in results))
+    ratios = [r.ratios_to_best() for r in results]
+    common = set.intersection(*(set(x) for x in ratios))
     if not common:
         return results[-1].winner
-    score = {cid: sum(math.log(r.timings_us[cid] / min(r.timings_us.values())) for r in results) / len(results)
-             for cid in common}
+    score = {cid: sum(math.log(x[cid]) for x in ratios) / len(ratios) for cid in common}
     return choose({cid: math.exp(s) for cid, s in score.items()}, results[0].static, min_gain)
 
 
