@@ -126,17 +126,31 @@ def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
 # ---------------------------------------------------------------- worker (one backend, one engine)
 
 class HostTimers:
-    """Host seconds spent in CUTE_MLA's metadata builder and forward_mqa (wrapped methods)."""
+    """Host seconds a backend spends in its metadata builder (``build``, and the decode part ``_build_decode``) and
+    in ``forward_mqa`` (wrapped methods): the same hooks for every backend, so that the host time is compared like
+    the step time."""
+
+    KEYS = ("builder", "build_decode", "forward_mqa")
 
     def __init__(self):
-        self.seconds = {"builder": 0.0, "forward_mqa": 0.0}
-        self.calls = {"builder": 0, "forward_mqa": 0}
+        self.seconds = dict.fromkeys(self.KEYS, 0.0)
+        self.calls = dict.fromkeys(self.KEYS, 0)
 
-    def install(self):
-        from mla_backend_plugin.vllm.backend import CuteMLAImpl, CuteMLAMetadataBuilder
+    @staticmethod
+    def classes(backend: str) -> tuple[type, type]:
+        """(metadata builder class, impl class) of a backend named as vLLM names it."""
+        if backend == "CUTE_MLA":
+            from mla_backend_plugin.vllm.backend import CuteMLABackend as cls
+        else:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        for cls, method, key in ((CuteMLAMetadataBuilder, "build", "builder"),
-                                 (CuteMLAImpl, "forward_mqa", "forward_mqa")):
+            cls = AttentionBackendEnum[backend].get_class()
+        return cls.get_builder_cls(), cls.get_impl_cls()
+
+    def install(self, backend: str):
+        builder, impl = self.classes(backend)
+        for cls, method, key in ((builder, "build", "builder"), (builder, "_build_decode", "build_decode"),
+                                 (impl, "forward_mqa", "forward_mqa")):
             original = getattr(cls, method)
 
             def timed(self_, *a, _original=original, _key=key, **kw):
@@ -181,9 +195,8 @@ def worker(args) -> None:
     backend, _, kernel = args.worker_backend.partition(":")
     if kernel:
         os.environ["CUTE_MLA_KERNEL"] = kernel
-    timers = HostTimers() if backend == "CUTE_MLA" else None
-    if timers is not None:
-        timers.install()
+    timers = HostTimers()
+    timers.install(backend)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -244,11 +257,12 @@ def measure_cell(llm, sampling_params, prompts, timers: HostTimers | None, args,
         def median(field: str, n: int) -> float:
             return statistics.median(h[field] for h in hosts[n])
 
-        for key in ("builder", "forward_mqa"):
+        for key in HostTimers.KEYS:
             row[f"{key}_us_per_step"] = round((median(key, n_long) - median(key, n_short)) / DECODE_STEPS * 1e6, 1)
             row[f"{key}_calls_per_step"] = round(
                 (median(f"{key}_calls", n_long) - median(f"{key}_calls", n_short)) / DECODE_STEPS, 2)
             row[f"{key}_us_mixed_phase"] = round((median(key, n_short) - median(key, 1)) * 1e6, 1)
+            row[f"{key}_calls_mixed_phase"] = round(median(f"{key}_calls", n_short) - median(f"{key}_calls", 1), 1)
     if args.kernel_profile:
         row.update(kernel_profile_per_step(lambda: run(n_short), lambda: run(n_long), DECODE_STEPS))
     return row
@@ -312,6 +326,23 @@ def render(out_dir: Path) -> Path:
             last = by_batch.get(batches[-1], {})
             lines.append(f"| {b} | " + " | ".join(texts) + f" | {last.get('builder_us_per_step', '-')} | "
                          f"{last.get('forward_mqa_us_per_step', '-')} |")
+        lines.append("")
+    hosted = [r for r in timed if "builder_us_per_step" in r]
+    if hosted:
+        lines += ["## Host time in the backend's hooks (the same wrapped methods for every backend)", "",
+                  "Decode steps: host us per step in the metadata builder (`build`; `_build_decode` is its decode "
+                  "part), differenced like the step. Mixed phase (chunked prefill next to decoding, attention "
+                  "eager): builder us per step and us per eager `forward_mqa` call.", "",
+                  "| backend | S | B | builder us/step | _build_decode us/step | mixed: builder us/step | "
+                  "mixed: forward_mqa us/call |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(hosted, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+            mixed_steps_ = max(1, r.get("n_short", 2) - 1)
+            calls = r.get("forward_mqa_calls_mixed_phase") or 0
+            per_call = f"{r['forward_mqa_us_mixed_phase'] / calls:.1f}" if calls else "-"
+            builder_mixed = (f"{r['builder_us_mixed_phase'] / mixed_steps_:.1f}" if "builder_us_mixed_phase" in r
+                             else "-")
+            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
+                         f"{r.get('build_decode_us_per_step', '-')} | {builder_mixed} | {per_call} |")
         lines.append("")
     profiled = [r for r in timed if "gpu_busy_ms" in r]
     if profiled:

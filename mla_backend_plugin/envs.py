@@ -168,6 +168,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
 )}
 
 
+def raw_values() -> tuple[str | None, ...]:
+    """Every declared variable's raw value: a cheap key for what was decided under this environment."""
+    environ = os.environ
+    return tuple(environ.get(name) for name in VARIABLES)
+
+
 def get(name: str) -> Any:
     """The parsed value of a declared variable (its default when unset or empty)."""
     try:

@@ -569,6 +569,45 @@ def test_env_override_selects_reference(monkeypatch):
         mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale)
 
 
+def test_decisions_are_kept_per_signature(monkeypatch):
+    """With a workspace, a call's decision (kernel + config) is made once per signature and kept there; a change of
+    shape, dtype, stride, scale form, environment or the tuner's table decides again; the result is the same."""
+    from mla_backend_plugin.ops import api, autotune
+
+    decided = []
+    real = api._decide
+
+    def counting(*a, **kw):
+        decided.append(a[1])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "_decide", counting)
+    ws = MLAWorkspace(device="cpu", max_batch=4, max_q_len=2, num_heads=16, num_sms=NUM_SMS)
+    inp = make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "pair", "cpu", 8)
+
+    def call(i=inp, **kw):
+        return mla_decode(*i.call_args(), softmax_scale=i.softmax_scale, kernel="reference", workspace=ws, **kw)
+
+    first = call()
+    for _ in range(3):
+        again = call()
+    assert len(decided) == 1 and len(ws.decisions) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    call(i=make_decode_inputs(2, [5, 9], 2, 16, 16, BF16, "pair", "cpu", 9))  # another batch
+    call(i=make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "cat", "cpu", 8))  # q as one tensor: other strides
+    call(i=make_decode_inputs(3, [1, 40, 7], 2, 16, 16, FP8, "pair", "cpu", 8, kv_scale=2.0), kv_scale=2.0)
+    assert len(decided) == 4
+    monkeypatch.setenv("CUTE_MLA_PDL", "0")  # the environment changed: decide again, then keep that
+    call()
+    call()
+    assert len(decided) == 5
+    autotune.set_seq_profile(None)  # the tuner's table/profile changed
+    call()
+    assert len(decided) == 6
+    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference")  # no workspace: no memo
+    assert len(decided) == 7 and len(ws.decisions) == 6
+
+
 def test_reference_kernel_accepts_4d_cache_and_q_len():
     inp = make_decode_inputs(2, [3, 50], 4, 16, 16, BF16, "cat", "cpu", 13)
     out_a, lse_a = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference")

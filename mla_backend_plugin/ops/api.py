@@ -60,6 +60,16 @@ class DecodeArgs:
     def q_dtype(self) -> torch.dtype:
         return self.q_nope.dtype
 
+    def signature(self) -> tuple:
+        """Everything of this call that a kernel decision (registry support, tuned lookup, launch config, workspace
+        fit) may depend on: shapes, dtypes, strides, the 16-byte alignment of the rows kernels load by TMA or
+        vectors, the scale forms, the device. Two calls with one signature get one decision."""
+        qn, qp, kv, out = self.q_nope, self.q_pe, self.kv_cache, self.out
+        return (self.batch, self.q_len, self.num_heads, qn.dtype, kv.dtype, out.dtype, kv.shape[1],
+                self.block_table.shape[1], qn.stride(), qp.stride(), kv.stride(), out.stride(), self.lse.stride(),
+                qn.data_ptr() % 16, qp.data_ptr() % 16, kv.data_ptr() % 16, out.data_ptr() % 16,
+                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, qn.device)
+
 
 def _fail(arg: str, msg: str):
     raise ValueError(f"mla_decode: {arg}: {msg}")
@@ -266,7 +276,6 @@ def mla_decode(
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
     """
     from mla_backend_plugin.ops import autotune
-    from mla_backend_plugin.ops.registry import device_capability, select_kernel
 
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
@@ -275,6 +284,35 @@ def mla_decode(
         _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if kernel == "auto":
         kernel = envs.CUTE_MLA_KERNEL
+    # An engine calls with one workspace and the same shapes every layer and step: the decision of a signature is
+    # kept in the workspace (the checks behind it cost more host time than the launch itself, and eager steps -
+    # chunked prefill's mixed batches - pay it once per layer). The key holds all a decision depends on besides
+    # the call's shapes: the tuner's table version, the environment, capture (which pins tuned choices).
+    key = None
+    if workspace is not None:
+        device = args.q_nope.device
+        key = (kernel, config, enable_pdl, fp8_design, args.signature(),
+               None if max_seq_len is None else autotune.seq_bucket(max_seq_len),
+               device.type == "cuda" and torch.cuda.is_current_stream_capturing(), autotune.table_version(),
+               envs.raw_values())
+        decided = workspace.decisions.get(key)
+        if decided is not None:
+            spec, config = decided
+            spec.launch(args, workspace, config)
+            return args.out, args.lse
+    spec, config, workspace = _decide(args, kernel, config, workspace, enable_pdl, fp8_design, max_seq_len)
+    if key is not None:
+        workspace.decisions[key] = (spec, config)
+    spec.launch(args, workspace, config)
+    return args.out, args.lse
+
+
+def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspace: MLAWorkspace | None,
+            enable_pdl: bool | None, fp8_design: str | None, max_seq_len: int | None):
+    """(kernel spec, launch config, workspace) of a call: the tuned choice or the arch table's, checked to fit."""
+    from mla_backend_plugin.ops import autotune
+    from mla_backend_plugin.ops.registry import device_capability, select_kernel
+
     cc = device_capability(args.q_nope.device)
     tuned = autotune.lookup(args, cc, max_seq_len) if kernel == "auto" and config is None else None
     if tuned is not None:
@@ -304,5 +342,4 @@ def mla_decode(
             config = dataclasses.replace(config, fp8_design=fp8_design)
     if spec.needs_workspace and workspace is None:  # a static choice after a tuned one the workspace refused
         workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
-    spec.launch(args, workspace, config)
-    return args.out, args.lse
+    return spec, config, workspace

@@ -392,7 +392,9 @@ class Choice:
 PROFILE = "profile"  # the per-seq key of the profile's choice
 _RESULTS: dict[tuple, dict[int, TuneResult]] = {}  # (live shape, batch bucket) -> seq bucket -> result
 _TABLE: dict[tuple, dict] = {}  # (live shape, batch bucket) -> {seq bucket | PROFILE: Choice}
-_STATE = {"profile": None, "loaded": set()}
+# "version" counts changes of the live table and the profile: mla_decode's per-workspace decisions
+# (MLAWorkspace.decisions) are keyed by it, so that a change reaches the next call
+_STATE = {"profile": None, "loaded": set(), "version": 0}
 _WARNED: set[str] = set()
 
 
@@ -424,7 +426,13 @@ def _choice_for(cid: str | None, result: TuneResult | None) -> Choice | None:
     return Choice(spec, cand.config, cand.label, time_us, cid)
 
 
+def table_version() -> int:
+    """Changes whenever the live table or the context profile does (what ``lookup`` answers may change)."""
+    return _STATE["version"]
+
+
 def _rebuild_profile_choices() -> None:
+    _STATE["version"] += 1
     profile = seq_profile()
     for table_key, per_seq in _RESULTS.items():
         row = _TABLE.setdefault(table_key, {})
@@ -459,6 +467,7 @@ def clear() -> None:
     _TABLE.clear()
     _STATE["profile"] = None
     _STATE["loaded"].clear()
+    _STATE["version"] += 1
     _WARNED.clear()
 
 
@@ -702,6 +711,7 @@ def cache_for(device, path: str | None = ...) -> TuneCache:
 def _load_cache_for(device) -> None:
     """Install the cache's results for ``device`` into the live table (once per device)."""
     _STATE["loaded"].add(device)
+    _STATE["version"] += 1
     if device.type != "cuda" or default_cache_path() is None:
         return
     cache = cache_for(device)

@@ -43,3 +43,12 @@ def scale_launch_args(args, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     q_v = 1.0 if args.q_scale is None or isinstance(args.q_scale, torch.Tensor) else float(args.q_scale)
     kv_v = 1.0 if args.kv_scale is None or isinstance(args.kv_scale, torch.Tensor) else float(args.kv_scale)
     return q_t, kv_t, q_v, kv_v
+
+
+def current_cu_stream(device: torch.device):
+    """The device's current CUDA stream as the compiled CuTe functions take it. The raw handle comes from the call
+    Triton's launcher uses too: ``torch.cuda.current_stream(device)`` builds a Stream object per call, which costs
+    an eager decode (once per layer) several microseconds for nothing."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch._C._cuda_getCurrentRawStream(device.index))

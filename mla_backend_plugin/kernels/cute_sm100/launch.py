@@ -19,6 +19,7 @@ from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_c
 from mla_backend_plugin.kernels.cute_common.host import (
     DTYPE_NAMES,
     aligned_rows_reason,
+    current_cu_stream,
     dsl_missing,
     scale_launch_args,
 )
@@ -131,8 +132,6 @@ def _compiled(variant: Variant, use_pdl: bool, arch: str):
 
 
 def launch(args, workspace, config: LaunchConfig) -> None:
-    import cuda.bindings.driver as cuda
-
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
     if not config.balanced:
@@ -141,7 +140,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     fn = _compiled(variant_for(args, config), config.enable_pdl, arch)
     plan = workspace.plan_for(args, PlanTile(CTA_ROWS, BLOCK_N), config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
-    stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
+    stream = current_cu_stream(args.q_nope.device)
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,

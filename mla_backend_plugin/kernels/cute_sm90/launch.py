@@ -20,6 +20,7 @@ from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_c
 from mla_backend_plugin.kernels.cute_common.host import (
     DTYPE_NAMES,
     aligned_rows_reason,
+    current_cu_stream,
     dsl_missing,
     scale_launch_args,
 )
@@ -136,8 +137,6 @@ def _compiled(variant: Variant, use_pdl: bool):
 
 
 def launch(args, workspace, config: LaunchConfig) -> None:
-    import cuda.bindings.driver as cuda
-
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
     if not config.balanced:
@@ -147,7 +146,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     # workspace's limit) < 2^16
     plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
-    stream = cuda.CUstream(torch.cuda.current_stream(args.q_nope.device).cuda_stream)
+    stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,

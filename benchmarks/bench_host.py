@@ -1,0 +1,222 @@
+"""Host time of one eager decode call: ours (through the serving path vLLM's forward_mqa takes, and through
+``mla_decode`` per kernel) against the peers' calls as vLLM makes them.
+
+Under full CUDA graphs a decode step replays a graph and this time does not exist; in the mixed steps of
+chunked prefill (decode requests next to prefill chunks) vLLM runs attention eagerly, once per layer, and the
+GPU waits for the host whenever the host is the slower side. ``benchmarks/bench_e2e.py`` measured ~0.4 ms of
+host time per eager ``forward_mqa`` call there (issue 17); this script takes it apart on one GPU, without vLLM's
+engine: per call, the GPU is drained first (so the call never waits for the device), then the call is timed
+with ``time.perf_counter`` and, for our serving path, profiled with cProfile.
+
+    python benchmarks/bench_host.py                       # B 1/32/128 x S 1024/8192, bf16 + fp8
+    python benchmarks/bench_host.py --batches 32 --kv-dtypes bf16 --profile-top 25
+
+Writes ``host_results.md`` (and the cProfile listings) to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_decode import OurKernel  # sibling modules: benchmarks/ is the script directory
+from peers import PEERS, Cell, PeerCall, cell_inputs
+
+from mla_backend_plugin.ops import autotune, serving
+
+SERVING = "serving:auto"  # DecodeRunner.decode, as CuteMLAImpl.forward_mqa calls it
+
+
+class ServingPath:
+    """Our decode as vLLM's forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's workspace,
+    with the autotuner's warm-up hook (its static table here: no tuning)."""
+
+    name = SERVING
+
+    def unsupported_reason(self, cell, cc):
+        return None
+
+    def query_dtype(self, cell, cc):
+        return "bf16"
+
+    def prepare(self, cell: Cell, inputs) -> PeerCall:
+        q, _ = inputs.query("bf16")
+        q_pair = (q[..., :512], q[..., 512:])  # vLLM 0.26 hands decode (q_nope, q_pe)
+        kv_dtype = "fp8" if cell.kv_dtype == "fp8" else "auto"
+        workspace = serving.make_workspace(inputs.device, max_num_seqs=cell.batch, num_speculative_tokens=0,
+                                           num_heads=cell.num_heads, out_dtype=torch.bfloat16)
+        deployment = serving.make_deployment(
+            num_heads=cell.num_heads, max_num_seqs=cell.batch, num_speculative_tokens=cell.q_len - 1,
+            model_dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, block_size=cell.block_size,
+            max_model_len=cell.seq_len)
+        tuning = serving.DeploymentTuning(deployment, tune=False, host_lengths=False)
+        runner = serving.DecodeRunner(inputs.softmax_scale, kv_dtype)
+        kv_scale = inputs.kv_scale_tensor()
+        cache = inputs.kv_caches[0]
+        if cell.kv_dtype == "fp8":
+            cache = cache.view(torch.uint8)  # vLLM stores an fp8 cache as bytes
+
+        def launch(i):
+            return runner.decode(q_pair, cache, inputs.block_table, inputs.seq_lens, workspace, kv_scale=kv_scale,
+                                 tuning=tuning)
+
+        return PeerCall(launch, lambda raw: raw)
+
+
+def host_times_us(call, iters: int, profile: cProfile.Profile | None = None) -> list[float]:
+    """Per call: drain the GPU, then time the call's host side (the launch returns before the kernels end)."""
+    for _ in range(5):
+        call()
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        if profile is not None:
+            profile.enable()
+        t = time.perf_counter()
+        call()
+        dt = time.perf_counter() - t
+        if profile is not None:
+            profile.disable()
+        out.append(dt * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
+def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
+    """Median host us of each stage of our serving call, one at a time (cute_sm90's launch; the GPU drained before
+    stages that launch): what the decision memo skips, and what every call still pays."""
+    from mla_backend_plugin import envs
+    from mla_backend_plugin.kernels.combine.kernel import launch_combine
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N
+    from mla_backend_plugin.ops.api import _decide, prepare_args
+    from mla_backend_plugin.ops.manifest import PlanTile
+
+    q, _ = inputs.query("bf16")
+    q_pair = (q[..., :512], q[..., 512:])
+    workspace = serving.make_workspace(inputs.device, max_num_seqs=cell.batch, num_speculative_tokens=0,
+                                       num_heads=cell.num_heads, out_dtype=torch.bfloat16)
+    out, lse = workspace.output_views(cell.tokens)
+    kv_scale = inputs.kv_scale_tensor()
+    cache = inputs.kv_caches[0]
+
+    def prep():
+        return prepare_args(q_pair, cache, inputs.block_table, inputs.seq_lens, softmax_scale=inputs.softmax_scale,
+                            kv_scale=kv_scale, out=out, lse=lse)
+
+    args = prep()
+    spec, config, _ = _decide(args, "cute_sm90", None, workspace, None, None, None)
+    plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
+    stages = [
+        ("prepare_args (validation)", prep, False),
+        ("args.signature()", args.signature, False),
+        ("envs.raw_values()", envs.raw_values, False),
+        ("is_current_stream_capturing()", torch.cuda.is_current_stream_capturing, False),
+        ("decision without memo (_decide)", lambda: _decide(args, "auto", None, workspace, None, None, None), False),
+        ("cute_sm90 launch incl. combine", lambda: spec.launch(args, workspace, config), True),
+        ("combine launch alone (Triton)", lambda: launch_combine(args, workspace, plan, BLOCK_N), True),
+    ]
+    rows = []
+    for name, fn, launches in stages:
+        rows.append((name, summary(host_times_us(fn, iters) if launches else _loop_us(fn, iters))[0]))
+    return rows
+
+
+def _loop_us(fn, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    return out
+
+
+def summary(times_us: list[float]) -> tuple[float, float, float]:
+    """(median, 10th and 90th percentile) of the host times."""
+    s = sorted(times_us)
+    return statistics.median(s), s[len(s) // 10], s[(len(s) * 9) // 10]
+
+
+def profile_text(profile: cProfile.Profile, top: int, calls: int) -> str:
+    stream = io.StringIO()
+    stats = pstats.Stats(profile, stream=stream)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return f"(cProfile over {calls} calls: divide the times by {calls} for one call)\n" + stream.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--seq-lens", default="1024,8192")
+    p.add_argument("--kv-dtypes", default="bf16,fp8")
+    p.add_argument("--kernels", default="cute_sm90,triton", help="our kernels called through mla_decode")
+    p.add_argument("--peers", default="flashmla,fa3_mla,triton_mla")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--profile-top", type=int, default=18, help="cProfile rows of the serving path (0: none)")
+    p.add_argument("--stages", action="store_true", help="also time the serving call's stages (first B and S)")
+    p.add_argument("--out-dir", default="host_results")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    cc = torch.cuda.get_device_capability(device)
+    runners = [ServingPath()] + [OurKernel(k, "bf16", False) for k in args.kernels.split(",") if k]
+    for name in (n for n in args.peers.split(",") if n):
+        ok, why = PEERS[name].available()
+        if ok:
+            runners.append(PEERS[name])
+        else:
+            print(f"{name}: not available: {why}", file=sys.stderr)
+    lines = ["# Host time of one eager decode call (us: median [p10, p90])", "",
+             f"{torch.cuda.get_device_name(device)}; {args.iters} calls per cell, the GPU drained before each; "
+             f"`{SERVING}` is the path vLLM's forward_mqa takes.", ""]
+    profiles = []
+    for kv in args.kv_dtypes.split(","):
+        for s in map(int, args.seq_lens.split(",")):
+            cells = [Cell(batch=b, seq_len=s, q_len=1, kv_dtype=kv) for b in map(int, args.batches.split(","))]
+            lines += [f"## kv {kv}, S = {s}", "", "| runner | " + " | ".join(f"B={c.batch}" for c in cells) + " |",
+                      "|---|" + "---:|" * len(cells)]
+            results: dict[str, list[str]] = {}
+            for cell in cells:
+                inputs = cell_inputs(cell, device)
+                autotune.set_seq_profile([cell.seq_len])
+                for runner in runners:
+                    why = runner.unsupported_reason(cell, cc)
+                    if why:
+                        results.setdefault(runner.name, []).append("n/a")
+                        continue
+                    try:
+                        call = runner.prepare(cell, inputs)
+                        prof = cProfile.Profile() if runner.name == SERVING and args.profile_top else None
+                        med, lo, hi = summary(host_times_us(lambda c=call: c.launch(0), args.iters, prof))
+                        results.setdefault(runner.name, []).append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
+                        if prof is not None:
+                            profiles.append((cell.label(), profile_text(prof, args.profile_top, args.iters)))
+                    except Exception as e:  # noqa: BLE001 - one runner's failure is a row, not the end
+                        results.setdefault(runner.name, []).append(f"error: {type(e).__name__}: {str(e)[:80]}")
+                del inputs
+                torch.cuda.empty_cache()
+            lines += [f"| {name} | " + " | ".join(texts) + " |" for name, texts in results.items()] + [""]
+    if args.stages:
+        cell = Cell(batch=int(args.batches.split(",")[0]), seq_len=int(args.seq_lens.split(",")[0]), q_len=1,
+                    kv_dtype="bf16")
+        inputs = cell_inputs(cell, device)
+        lines += [f"## Stages of the serving call, {cell.label()} (median us)", "", "| stage | us |", "|---|---:|"]
+        lines += [f"| {name} | {us:.1f} |" for name, us in stage_times(cell, inputs, args.iters)] + [""]
+    (out_dir / "host_results.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "host_profiles.txt").write_text("\n\n".join(f"===== {label}\n{text}" for label, text in profiles))
+    print("\n".join(lines))
+    if profiles:
+        print(f"===== {profiles[0][0]}\n{profiles[0][1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
