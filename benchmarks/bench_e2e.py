@@ -286,7 +286,8 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None) -> list[
 
 def start_times(args, out_dir: Path) -> list[dict]:
     """Engine start (LLM construction to ready) per backend: cold (empty package, vLLM and Triton caches) then
-    warm (the same caches again)."""
+    warm (the same caches again). Each row is appended to ``rows.jsonl`` as soon as it is measured: a run cut off
+    by a deadline keeps the starts it finished (a cold plus a warm start take ~3 minutes per backend)."""
     rows = []
     for backend in args.backends:
         with tempfile.TemporaryDirectory() as cache:
@@ -299,6 +300,9 @@ def start_times(args, out_dir: Path) -> list[dict]:
                 start = next((r["start_s"] for r in got if "start_s" in r), None)
                 rows.append({"backend": backend, "start": label, "start_s": start,
                              "error": next((r["error"] for r in got if "error" in r), None)})
+                with open(out_dir / "rows.jsonl", "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+                print(f"START {json.dumps(rows[-1])}", flush=True)
     return rows
 
 
@@ -454,11 +458,13 @@ def main(argv=None) -> int:
             print(json.dumps(c))
         print(f"model config: {args.model_dir}/config.json ({args.layers} layers, hidden 7168)")
         return 0
-    rows = start_times(args, out_dir) if args.start_times else [
-        row for b in args.backends for spec in args.spec for row in run_backend(args, b, spec)]
-    with open(out_dir / "rows.jsonl", "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    if args.start_times:
+        rows = start_times(args, out_dir)  # written as they come
+    else:
+        rows = [row for b in args.backends for spec in args.spec for row in run_backend(args, b, spec)]
+        with open(out_dir / "rows.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
     print(render(out_dir))
     return 0 if not any(r.get("error") for r in rows) else 1
 

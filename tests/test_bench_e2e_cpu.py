@@ -117,3 +117,30 @@ def test_measure_cell_times_the_steps_where_the_whole_batch_decodes(monkeypatch)
         assert row["n_long"] - row["n_short"] == bench.DECODE_STEPS
         # where prompts need several steps to prefill, those steps cost more than a decode step
         assert (row["mixed_step_ms"] > 4.05) == (batch * context > 16384), row
+
+
+def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
+    """A cut-off --start-times run keeps what it measured: every start is on disk before the next one begins."""
+    import argparse
+
+    import pytest
+
+    bench = _bench()
+    seen_on_disk = []
+
+    def fake_run_backend(args, backend, spec, env=None):
+        rows_file = tmp_path / "rows.jsonl"
+        seen_on_disk.append(len(rows_file.read_text().splitlines()) if rows_file.exists() else 0)
+        if backend == "FLASHMLA":
+            raise TimeoutError("deadline")
+        assert env["CUTE_MLA_CUTE_CACHE"].startswith(env["VLLM_CACHE_ROOT"].rsplit("/", 1)[0])
+        return [{"backend": backend, "start_s": 10.0 if len(seen_on_disk) % 2 else 5.0}]
+
+    monkeypatch.setattr(bench, "run_backend", fake_run_backend)
+    args = argparse.Namespace(backends=["CUTE_MLA", "FLASHMLA"], batches=[32], contexts=[8192], repeats=2)
+    with pytest.raises(TimeoutError):
+        bench.start_times(args, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert seen_on_disk == [0, 1, 2]
+    assert [(r["backend"], r["start"], r["start_s"]) for r in rows] == [("CUTE_MLA", "cold", 10.0),
+                                                                       ("CUTE_MLA", "warm", 5.0)]
