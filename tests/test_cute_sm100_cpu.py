@@ -381,7 +381,7 @@ def test_launch_passes_the_plan_scales_and_buffers(monkeypatch):
 
     calls, combines = [], []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(launch, "current_cu_stream", lambda device: 0)  # no CUDA here: the raw handle stands in
     monkeypatch.setattr(launch, "_compiled",
                         lambda variant, pdl, arch: lambda *a: calls.append((variant, pdl, arch, a)))
     monkeypatch.setattr(combine_kernel, "launch_combine", lambda *a, **k: combines.append((a, k)))
