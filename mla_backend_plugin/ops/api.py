@@ -288,7 +288,7 @@ def mla_decode(
     # kept in the workspace (the checks behind it cost more host time than the launch itself, and eager steps -
     # chunked prefill's mixed batches - pay it once per layer). The key holds all a decision depends on besides
     # the call's shapes: the tuner's table version, the environment, capture (which pins tuned choices).
-    key = None
+    key = decided = None
     if workspace is not None:
         device = args.q_nope.device
         key = (kernel, config, enable_pdl, fp8_design, args.signature(),
@@ -296,13 +296,11 @@ def mla_decode(
                device.type == "cuda" and torch.cuda.is_current_stream_capturing(), autotune.table_version(),
                envs.raw_values())
         decided = workspace.decisions.get(key)
-        if decided is not None:
-            spec, config = decided
-            spec.launch(args, workspace, config)
-            return args.out, args.lse
-    spec, config, workspace = _decide(args, kernel, config, workspace, enable_pdl, fp8_design, max_seq_len)
-    if key is not None:
-        workspace.decisions[key] = (spec, config)
+    if decided is None:
+        decided = _decide(args, kernel, config, workspace, enable_pdl, fp8_design, max_seq_len)
+        if key is not None:
+            workspace.decisions[key] = decided
+    spec, config, workspace = decided
     spec.launch(args, workspace, config)
     return args.out, args.lse
 

@@ -711,7 +711,6 @@ def cache_for(device, path: str | None = ...) -> TuneCache:
 def _load_cache_for(device) -> None:
     """Install the cache's results for ``device`` into the live table (once per device)."""
     _STATE["loaded"].add(device)
-    _STATE["version"] += 1
     if device.type != "cuda" or default_cache_path() is None:
         return
     cache = cache_for(device)

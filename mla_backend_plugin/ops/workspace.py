@@ -283,7 +283,7 @@ class MLAWorkspace:
             plan_rows = plan_rows_for(num_heads, self.device)
         self.plan_rows = tuple(sorted({int(r) for r in plan_rows}))
         self._plans: dict[tuple, SplitPlan] = {}
-        # mla_decode's decisions (kernel spec, launch config) per call signature (ops/api.py)
+        # mla_decode's decisions (kernel spec, launch config, this workspace) per call signature (ops/api.py)
         self.decisions: dict[tuple, tuple] = {}
         # Worst case over every batch size, q_len, tile and both plans this workspace serves: the uniform plan
         # splits less as the batch grows, so batch * splits peaks somewhere in the middle; the balanced plan
