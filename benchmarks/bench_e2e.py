@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,7 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, attention_backend=backend, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=args.eager, max_model_len=max(args.contexts) + longest_run(args),
-              max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_batched_tokens,
+              max_num_seqs=args.max_num_seqs or max(args.batches), max_num_batched_tokens=args.max_batched_tokens,
               enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **extra)
     start_s = time.perf_counter() - t0
     for context in args.contexts:
@@ -270,18 +271,48 @@ def measure_cell(llm, sampling_params, prompts, timers: HostTimers | None, args,
 
 # ---------------------------------------------------------------- driver
 
-def run_backend(args, backend: str, spec: int, env: dict | None = None) -> list[dict]:
+def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path: Path | None = None) -> list[dict]:
     cmd = [sys.executable, __file__, "--worker-backend", backend, "--worker-spec", str(spec), "--model-dir",
            args.model_dir, "--batches", ",".join(map(str, args.batches)), "--contexts",
            ",".join(map(str, args.contexts)), "--repeats", str(args.repeats), "--gpu-memory-utilization",
            str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens)] \
+        + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []) \
         + (["--eager"] if args.eager else []) \
         + (["--kernel-profile"] if args.kernel_profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if log_path is not None:
+        log_path.write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
     rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0:
         rows.append({"backend": backend, "spec": spec, "error": proc.stderr[-2000:]})
+    phases = start_phases(proc.stdout + "\n" + proc.stderr)
+    for row in rows:
+        row.update(phases)
     return rows
+
+
+# what an engine start spends its time on, from vLLM's log lines and ours (the package logs through vLLM's
+# handlers): seconds per phase; ours sum over variants
+START_PHASES = {
+    "load_s": r"Model loading took [^\n]*? and ([0-9.]+) seconds",
+    "torch_compile_s": r"torch\.compile took ([0-9.]+) s in total",
+    "memory_profile_s": r"Memory profiling takes ([0-9.]+) seconds",
+    "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
+    "cute_compile_in_process_s": r"compiled \S+ \(pdl \w+, \w+\) in this process in ([0-9.]+) s",
+    "cute_background_build_s": r"built in the background in ([0-9.]+) s",
+    "cute_first_use_wait_s": r"built in the background in [0-9.]+ s \(first use waited ([0-9.]+) s\)",
+}
+
+
+def start_phases(log: str) -> dict[str, float]:
+    """START_PHASES found in an engine's log (a phase that is not logged is left out; repeated ones add up)."""
+    found = {}
+    for key, pattern in START_PHASES.items():
+        values = [float(v) for v in re.findall(pattern, log)]
+        if values:
+            found[key] = round(sum(values), 1)
+    return found
 
 
 def start_times(args, out_dir: Path) -> list[dict]:
@@ -289,16 +320,30 @@ def start_times(args, out_dir: Path) -> list[dict]:
     warm (the same caches again). Each row is appended to ``rows.jsonl`` as soon as it is measured: a run cut off
     by a deadline keeps the starts it finished (a cold plus a warm start take ~3 minutes per backend)."""
     rows = []
+    logs = out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    # the engine of the sweep (max_num_seqs = its largest batch, so every CUDA-graph size is captured), timed on
+    # one small cell
+    small = argparse.Namespace(**{**vars(args), "batches": [1], "contexts": [1024], "repeats": 1,
+                                  "max_num_seqs": args.max_num_seqs or max(args.batches)})
     for backend in args.backends:
+        # CUTE_MLA's cold start twice: with the background prebuild (the default) and without it
+        starts = [("cold", {}), ("warm", {})] + ([("cold, CUTE_MLA_PREBUILD=0", {"CUTE_MLA_PREBUILD": "0"})]
+                                                  if backend.startswith("CUTE_MLA") else [])
         with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, CUTE_MLA_CUTE_CACHE=os.path.join(cache, "cute"),
-                       CUTE_MLA_TUNE_CACHE=os.path.join(cache, "tune.json"),
-                       VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            small = argparse.Namespace(**{**vars(args), "batches": [1], "contexts": [1024], "repeats": 1})
-            for label in ("cold", "warm"):
-                got = run_backend(small, backend, 0, env)
-                start = next((r["start_s"] for r in got if "start_s" in r), None)
-                rows.append({"backend": backend, "start": label, "start_s": start,
+            for label, extra in starts:
+                if label.startswith("cold") and label != "cold":  # empty caches again
+                    shutil.rmtree(cache, ignore_errors=True)
+                    os.makedirs(cache)
+                env = dict(os.environ, CUTE_MLA_CUTE_CACHE=os.path.join(cache, "cute"),
+                           CUTE_MLA_TUNE_CACHE=os.path.join(cache, "tune.json"),
+                           VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), **extra)
+                tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{backend}_{label}").strip("_")
+                got = run_backend(small, backend, 0, env, log_path=logs / f"start_{tag}.log")
+                first = next((r for r in got if "start_s" in r), {})
+                rows.append({"backend": backend, "start": label, "start_s": first.get("start_s"),
+                             **{k: first[k] for k in START_PHASES if k in first},
                              "error": next((r["error"] for r in got if "error" in r), None)})
                 with open(out_dir / "rows.jsonl", "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
@@ -367,8 +412,14 @@ def render(out_dir: Path) -> Path:
         lines.append("")
     starts = [r for r in rows if "start" in r]
     if starts:
-        lines += ["## Engine start", "", "| backend | start | seconds |", "|---|---|---:|"]
-        lines += [f"| {r['backend']} | {r['start']} | {r['start_s']} |" for r in starts]
+        phases = [k for k in START_PHASES if any(k in r for r in starts)]
+        lines += ["## Engine start", "", "Seconds from `LLM(...)` to ready; the phases as vLLM's log and ours "
+                  "report them (CuTe compiles: in the engine's process, or in background processes and the first "
+                  "use's wait for them).", "",
+                  "| backend | start | seconds | " + " | ".join(k.removesuffix("_s") for k in phases) + " |",
+                  "|---|---|---:|" + "---:|" * len(phases)]
+        lines += [f"| {r['backend']} | {r['start']} | {r['start_s']} | "
+                  + " | ".join(str(r.get(k, "-")) for k in phases) + " |" for r in starts]
         lines.append("")
     errors = [r for r in rows if r.get("error")]
     if errors:
@@ -423,6 +474,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (default: the "
+                        "largest batch; --start-times: the largest of --batches)")
     parser.add_argument("--max-batched-tokens", type=int, default=16384,
                         help="the engine's max_num_batched_tokens (chunked prefill budget per step)")
     parser.add_argument("--kernel-profile", action="store_true",

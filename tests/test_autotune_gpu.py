@@ -176,3 +176,42 @@ def test_flashinfer_adapters_match_the_reference(kernel, case, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert_close_decode(out, lse, *ref, inp.kv_cache.dtype, msg=f"{kernel} {case} graph")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prebuild_compiles_what_the_engine_then_launches(tmp_path, monkeypatch, kv_cache_dtype):
+    """An engine's model construction starts background builds of exactly the variants its decode calls then
+    launch: the first call waits for them and compiles nothing in-process (on SM90: cute_sm90)."""
+    from mla_backend_plugin.kernels.cute_common import aot, background
+
+    if _cc() != (9, 0):
+        pytest.skip("cute_sm90 (the kernel the prebuild targets here) runs on SM90 only")
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path / "cute"))
+    from mla_backend_plugin.kernels.cute_sm90 import launch
+
+    launch._compiled.cache_clear()
+    aot._prebuilt_cached.cache_clear()
+    device = torch.device(DEVICE, torch.cuda.current_device())
+    deployment = serving.make_deployment(num_heads=128, max_num_seqs=16, num_speculative_tokens=0,
+                                         model_dtype=BF16, kv_cache_dtype=kv_cache_dtype, block_size=64,
+                                         max_model_len=4096)
+    started = autotune.prebuild_deployment(deployment, device)
+    assert started and all(s.startswith("cute_sm90:") for s in started), started
+    assert len(background._BUILDS) == len(started)
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled in-process although the prebuild covered this call")
+
+    monkeypatch.setattr(launch, "compile_variant", no_compile)
+    fp8 = kv_cache_dtype == "fp8"
+    for batch in (1, 16):
+        inputs = make_decode_inputs(batch, [1000] * batch, 1, 128, 64, torch.float8_e4m3fn if fp8 else BF16, "pair",
+                                    DEVICE, seed=batch, q_dtype=BF16, kv_scale=0.5 if fp8 else None)
+        scales = inputs.scale_kwargs(as_tensor=True) if fp8 else {}
+        ws = MLAWorkspace(device, max_batch=16, max_q_len=1, num_heads=128, out_dtype=BF16)
+        out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                              softmax_scale=inputs.softmax_scale, workspace=ws, **scales)
+        ref_out, ref_lse = inputs.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, inputs.kv_cache.dtype)
+    assert not background._BUILDS  # every started build was waited for by a call
+    launch._compiled.cache_clear()

@@ -120,27 +120,59 @@ def test_measure_cell_times_the_steps_where_the_whole_batch_decodes(monkeypatch)
 
 
 def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
-    """A cut-off --start-times run keeps what it measured: every start is on disk before the next one begins."""
+    """A cut-off --start-times run keeps what it measured: every start is on disk before the next one begins.
+    CUTE_MLA starts cold, warm, then cold again (emptied caches) without the background prebuild; every start
+    runs the sweep's engine (max_num_seqs = the largest batch)."""
     import argparse
+    import os
 
     import pytest
 
     bench = _bench()
     seen_on_disk = []
+    seen = []
 
-    def fake_run_backend(args, backend, spec, env=None):
+    def fake_run_backend(args, backend, spec, env=None, log_path=None):
         rows_file = tmp_path / "rows.jsonl"
         seen_on_disk.append(len(rows_file.read_text().splitlines()) if rows_file.exists() else 0)
         if backend == "FLASHMLA":
             raise TimeoutError("deadline")
-        assert env["CUTE_MLA_CUTE_CACHE"].startswith(env["VLLM_CACHE_ROOT"].rsplit("/", 1)[0])
-        return [{"backend": backend, "start_s": 10.0 if len(seen_on_disk) % 2 else 5.0}]
+        root = env["VLLM_CACHE_ROOT"].rsplit("/", 1)[0]
+        assert env["CUTE_MLA_CUTE_CACHE"].startswith(root) and env["TORCHINDUCTOR_CACHE_DIR"].startswith(root)
+        seen.append((env.get("CUTE_MLA_PREBUILD"), os.path.exists(env["VLLM_CACHE_ROOT"]), args.max_num_seqs))
+        os.makedirs(env["VLLM_CACHE_ROOT"], exist_ok=True)  # what a start leaves for the next
+        log_path.write_text("log")
+        return [{"backend": backend, "start_s": 10.0 if len(seen_on_disk) % 2 else 5.0, "graph_capture_s": 3.0}]
 
     monkeypatch.setattr(bench, "run_backend", fake_run_backend)
-    args = argparse.Namespace(backends=["CUTE_MLA", "FLASHMLA"], batches=[32], contexts=[8192], repeats=2)
+    args = argparse.Namespace(backends=["CUTE_MLA", "FLASHMLA"], batches=[1, 32], contexts=[8192], repeats=2,
+                              max_num_seqs=None)
     with pytest.raises(TimeoutError):
         bench.start_times(args, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert seen_on_disk == [0, 1, 2]
-    assert [(r["backend"], r["start"], r["start_s"]) for r in rows] == [("CUTE_MLA", "cold", 10.0),
-                                                                       ("CUTE_MLA", "warm", 5.0)]
+    assert seen_on_disk == [0, 1, 2, 3]
+    assert [(r["backend"], r["start"], r["start_s"]) for r in rows] == [
+        ("CUTE_MLA", "cold", 10.0), ("CUTE_MLA", "warm", 5.0), ("CUTE_MLA", "cold, CUTE_MLA_PREBUILD=0", 10.0)]
+    assert seen == [(None, False, 32), (None, True, 32), ("0", False, 32)]
+    assert all(r["graph_capture_s"] == 3.0 for r in rows)
+    assert len(list((tmp_path / "logs").glob("start_CUTE_MLA_*.log"))) == 3
+
+
+def test_start_phases_from_the_engine_log():
+    bench = _bench()
+    log = "\n".join([
+        "INFO 11-24 [gpu_model_runner.py:5348] Model loading took 6.2 GiB memory and 3.512345 seconds",
+        "INFO 11-24 [monitor.py:20] torch.compile took 14.93 s in total",
+        "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: compiled bf16_q1_h128_b64 (pdl on, sm_90a) in this "
+        "process in 4.2 s",
+        "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: bf16_q1 built in the background in 9.5 s (first use "
+        "waited 0.0 s)",
+        "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: bf16_q2 built in the background in 8.0 s (first use "
+        "waited 1.5 s)",
+        "INFO 11-24 [gpu_model_runner.py:6845] Graph capturing finished in 7 secs, took 0.40 GiB",
+        "INFO 11-24 [core.py:341] init engine (profile, create kv cache, warmup model) took 31.40 s (compilation: "
+        "14.93 s)"])
+    assert bench.start_phases(log) == {
+        "load_s": 3.5, "torch_compile_s": 14.9, "graph_capture_s": 7.0, "init_engine_s": 31.4,
+        "cute_compile_in_process_s": 4.2, "cute_background_build_s": 17.5, "cute_first_use_wait_s": 1.5}
+    assert bench.start_phases("nothing logged") == {}

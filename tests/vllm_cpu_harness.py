@@ -83,6 +83,12 @@ def scenario_entry_point() -> None:
     assert AttentionBackendEnum.CUSTOM.get_path() == OUR_CLASS
     assert list(AttentionBackendEnum.__members__).count("CUTE_MLA") == 1
     assert not torch.cuda.is_initialized(), "registration must not initialise CUDA"
+    # our INFO lines (kernel choice, tuning, compile times) reach a vLLM user's log through vLLM's handlers
+    import logging
+
+    ours, theirs = logging.getLogger("mla_backend_plugin"), logging.getLogger("vllm")
+    assert theirs.handlers and ours.handlers == theirs.handlers and ours.level == theirs.level
+    assert ours.isEnabledFor(logging.INFO) == theirs.isEnabledFor(logging.INFO)
 
 
 def scenario_cli_routes() -> None:

@@ -54,6 +54,7 @@ import torch
 
 from mla_backend_plugin import envs
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, QK_HEAD_DIM
+from mla_backend_plugin.ops.files import locked
 from mla_backend_plugin.ops.manifest import LaunchConfig
 
 logger = logging.getLogger("mla_backend_plugin")
@@ -491,9 +492,10 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def lookup(args, cc, max_seq_len: int | None = None) -> Choice | None:
+def lookup(args, cc, max_seq_len: int | None = None, check: bool = True) -> Choice | None:
     """The tuned choice for this call, or None (then the static table decides). A dict lookup: no device work,
-    no allocation. Under CUDA-graph capture (or without ``max_seq_len``) the context profile's choice."""
+    no allocation. Under CUDA-graph capture (or without ``max_seq_len``) the context profile's choice.
+    ``check=False``: not self-checked and not logged (a guess of what a later call will run, for prebuilding)."""
     if cc is None:
         return None
     device = args.q_nope.device
@@ -515,6 +517,8 @@ def lookup(args, cc, max_seq_len: int | None = None) -> Choice | None:
 
     if unsupported_reason(choice.spec, args, cc) is not None:
         return None
+    if not check:
+        return choice
     if not choice.checked and not _check(choice, device, cc):
         return None
     if not choice.logged:
@@ -653,7 +657,7 @@ class TuneCache:
             return
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        with _locked(self.path + ".lock"):
+        with locked(self.path + ".lock"):
             data = self._read()
             for cid in [c for c, ctx in data["contexts"].items()
                         if c != self.cid and ctx.get("gpu") == self.context["gpu"]]:
@@ -675,21 +679,6 @@ class TuneCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-
-
-@contextlib.contextmanager
-def _locked(path: str):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the rename is still atomic, concurrent writers may drop each other's entries
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _CACHES: dict[str, TuneCache] = {}
@@ -961,6 +950,45 @@ def tune_keys(keys: list[ShapeKey], device, *, budget_s: float | None = None, ca
             cache.save()
     report["seconds"] = time.monotonic() - t0
     return report
+
+
+def prebuild_deployment(deployment: Deployment, device, kernel: str = "auto") -> list[str]:
+    """Start the background builds (``KernelManifest.prebuild``) of what the deployment's decode calls will launch:
+    for each of its shapes, ``mla_decode``'s decision as far as it is known before the first call - the tuning
+    cache's choice, else the arch table's kernel with its default config - on a tiny stand-in call of that shape.
+    Self-checks are not run here (they launch kernels); a guess that a self-check later refuses only costs a
+    background compile. Returns the labels of the builds started."""
+    from mla_backend_plugin.ops.api import prepare_args
+    from mla_backend_plugin.ops.registry import select_kernel
+
+    device = _norm(device)
+    if device.type != "cuda":
+        return []
+    cc = torch.cuda.get_device_capability(device)
+    set_seq_profile(deployment.seq_lens)
+    started = []
+    seen = set()
+    for key in deployment.keys(cc):
+        inputs, _ = tuning_inputs(key, device, max_blocks=1)
+        scales = inputs.scale_kwargs(as_tensor=key.scale_form == "tensor") if key.scale_form != "none" else {}
+        args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                            softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype, **scales)
+        tuned = lookup(args, cc, check=False) if kernel == "auto" else None
+        if tuned is not None:
+            spec, config = tuned.spec, tuned.config
+        else:
+            try:
+                spec = select_kernel(args, kernel, self_check=False)
+            except ValueError:
+                continue
+            config = spec.default_config(args, cc)
+        label = spec.label(config)
+        if spec.prebuild is None or (label, key.batch) in seen:
+            continue
+        seen.add((label, key.batch))
+        if spec.prebuild(args, config, cc) and label not in started:
+            started.append(label)
+    return started
 
 
 def prepare_deployment(deployment: Deployment, device, *, tune: bool, budget_s: float | None) -> dict:

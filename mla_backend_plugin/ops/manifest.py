@@ -24,6 +24,9 @@ The kernel contract:
   split-KV scratch); families that name the same key share one buffer (the largest asked for);
 * ``config_label(config) -> str``: how a tuner or benchmark names one of the family's configs (default
   ``LaunchConfig.label``).
+* ``prebuild(args, config, cc) -> bool``: start building, in the background, what ``launch(args, ..., config)``
+  will need (CuTe families: the variant, compiled in another process into the on-disk cache), so that an
+  engine's start-up overlaps the compile with its own work; returns at once, True when a build is running.
 
 A folder may declare several kernels (``MANIFESTS``, a tuple) when they share an adapter (kernels/flashinfer).
 * ``supports_row_kv_lens``: the family honours ``args.row_kv_lens`` (per-row key counts, decode context
@@ -143,6 +146,7 @@ class KernelManifest:
     compile_variants: Callable[..., list[VariantResult]] | None = None
     scratch: Callable[..., tuple[str, int] | None] | None = None
     config_label: Callable[[LaunchConfig], str] | None = None
+    prebuild: Callable[..., bool] | None = None
     supports_row_kv_lens: bool = False
 
     def __post_init__(self):

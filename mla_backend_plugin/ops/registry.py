@@ -167,7 +167,10 @@ def unsupported_reason(spec: KernelManifest, args, cc) -> str | None:
     return spec.unsupported_reason(args, cc)
 
 
-def select_kernel(args, name: str = "auto") -> KernelManifest:
+def select_kernel(args, name: str = "auto", self_check: bool = True) -> KernelManifest:
+    """The kernel ``name`` (checked to support the call) or, for ``"auto"``, the first of the arch's AUTO_ORDER
+    that supports it and passes its self-check. ``self_check=False``: no self-check run and nothing announced
+    (a guess of what a later call will run, for prebuilding)."""
     cc = device_capability(args.q_nope.device)
     if name != "auto":
         spec = KERNELS.get(name)
@@ -177,6 +180,8 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
         reason = unsupported_reason(spec, args, cc)
         if reason is not None:
             raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
+        if not self_check:
+            return spec
         failure = self_check_failure(spec, args.q_nope.device, cc)
         if failure is not None:
             raise RuntimeError(f"mla_decode: kernel {name!r} failed its self-check on compute capability "
@@ -194,6 +199,8 @@ def select_kernel(args, name: str = "auto") -> KernelManifest:
     for kname in order:
         spec = KERNELS[kname]
         reason = unsupported_reason(spec, args, cc)
+        if reason is None and not self_check:
+            return spec
         if reason is None:
             failure = self_check_failure(spec, args.q_nope.device, cc)
             if failure is None:

@@ -180,6 +180,30 @@ def make_deployment(*, num_heads: int, max_num_seqs: int, num_speculative_tokens
         max_blocks=-(-max_model_len // block_size))
 
 
+_PREBUILT: set = set()  # (deployment, device, kernel) whose builds this process started
+
+
+def prebuild_kernels(deployment: autotune.Deployment, device, kernel: str = "auto") -> list[str]:
+    """Start compiling, in background processes, the kernel variants the deployment's decode calls will launch
+    (``autotune.prebuild_deployment``), once per process; an engine calls it at model construction, so that the
+    compiles overlap its model load and torch.compile instead of following them. ``CUTE_MLA_PREBUILD=0`` turns
+    it off. Never raises: a failure only means compiling on first use."""
+    key = (repr(deployment), str(device), kernel)
+    if not envs.CUTE_MLA_PREBUILD or key in _PREBUILT:
+        return []
+    _PREBUILT.add(key)
+    try:
+        started = autotune.prebuild_deployment(deployment, device, kernel)
+    except Exception as e:  # noqa: BLE001 - start-up must go on: the first call compiles what it needs
+        logger.warning("mla_decode: prebuilding the decode kernels failed (they compile on first use): %s: %s",
+                       type(e).__name__, e)
+        return []
+    if started:
+        logger.info("mla_decode: compiling %d kernel variant(s) in the background for this engine: %s", len(started),
+                    ", ".join(started))
+    return started
+
+
 class DeploymentTuning:
     """The autotuner's part of an engine's warm-up: ``run_once`` (on every decode call; it acts once) sets the
     deployment's context profile, installs the tuning cache's results for its shapes and, with

@@ -112,6 +112,22 @@ def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
         fp8_query=envs.CUTE_MLA_FP8_QUERY)
 
 
+def prebuild_decode_kernels(num_heads: int) -> None:
+    """At model construction (the first layer's impl; later ones find it done): start compiling the decode
+    variants this engine will launch in background processes, so that they overlap the model load and
+    torch.compile instead of delaying the first decode warm-up (ops/serving.py prebuild_kernels)."""
+    if not torch.cuda.is_available():
+        return
+    from vllm.config import get_current_vllm_config
+
+    vllm_config = get_current_vllm_config()
+    block_size = vllm_config.cache_config.block_size
+    if block_size is None:
+        return
+    serving.prebuild_kernels(deployment_for(vllm_config, num_heads, block_size),
+                             torch.device("cuda", torch.cuda.current_device()), envs.CUTE_MLA_KERNEL)
+
+
 class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
     can_return_lse_for_decode: bool = True  # so vLLM asks for the LSE under DCP and merges the ranks with it
     lse_base_on_e: bool = True  # mla_decode returns natural-log LSE
@@ -128,8 +144,9 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         serving.check_attention_features(alibi_slopes, sliding_window, logits_soft_cap)
         if attn_type != compat.AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got {attn_type}")
-        serving.check_num_heads(num_heads, compat.configured_dcp_size())
+        total_heads = serving.check_num_heads(num_heads, compat.configured_dcp_size())
         serving.check_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
+        prebuild_decode_kernels(total_heads)
         # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (the kernels widen or split a
         # 16-bit q themselves, more accurately)
         self.supports_quant_query_input = envs.CUTE_MLA_FP8_QUERY

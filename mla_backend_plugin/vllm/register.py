@@ -116,6 +116,19 @@ def _declare_env_var() -> None:
         envs.environment_variables[ENV_BACKEND_VAR] = lambda: os.getenv(ENV_BACKEND_VAR)
 
 
+def _log_through_vllm() -> None:
+    """The package logs under ``mla_backend_plugin`` (engine-neutral); vLLM configures only its own ``vllm``
+    logger, so without this our INFO lines (kernel choice, tuned shapes, compile and background-build times)
+    would never reach a vLLM user's log. Route them through vLLM's handlers, format and level."""
+    ours, theirs = logging.getLogger("mla_backend_plugin"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def register_with_vllm() -> None:
     """Idempotent; imports only vLLM's registry modules (no CUDA work, no kernel imports)."""
     global _registered
@@ -130,5 +143,6 @@ def register_with_vllm() -> None:
     _install_pickle_hook(enum_cls)
     _declare_env_var()
     _honour_env_backend(selector_module)
+    _log_through_vllm()
     _registered = True
     logger.debug("registered %s -> %s", BACKEND_NAME, BACKEND_CLASS_PATH)

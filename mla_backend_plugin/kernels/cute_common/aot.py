@@ -32,6 +32,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ RUNTIME_NAME = "libcute_dsl_runtime.so"
 FORMAT = 2  # layout of an entry; part of the key (2: family fingerprints, one root for every family)
 DSL_DIST, TVM_FFI_DIST = "nvidia-cutlass-dsl", "apache-tvm-ffi"
 COMMON_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger("mla_backend_plugin")
 
 
 def default_root() -> str:
@@ -98,10 +100,13 @@ class AotCache:
     family: str
     function_name: str
     source_dirs: tuple[str, ...]
+    # the module with the family's ``Variant``, ``compile_variant`` and ``AOT`` (its launch module): what a
+    # background build (background.py) imports to compile a variant in another process
+    builder_module: str = ""
 
     @classmethod
-    def for_family(cls, family: str, function_name: str, family_dir) -> AotCache:
-        return cls(family, function_name, (str(Path(family_dir).resolve()), str(COMMON_DIR)))
+    def for_family(cls, family: str, function_name: str, family_dir, builder_module: str = "") -> AotCache:
+        return cls(family, function_name, (str(Path(family_dir).resolve()), str(COMMON_DIR)), builder_module)
 
     @property
     def library_name(self) -> str:
@@ -278,10 +283,13 @@ def _copy_atomic(src: str, dst: str) -> None:
 
 def compiled_from_cache_or_jit(cache: AotCache, variant, use_pdl: bool, arch: str, compile_fn, warn):
     """The variant's function: from the cache when it holds a usable entry, else ``compile_fn()`` now and
-    exported to the cache (when the cache is on). Without the DSL only the cache can serve it. ``warn(msg)``
+    exported to the cache (when the cache is on). Without the DSL only the cache can serve it. A background build
+    of the variant (background.py, started at the engine's model construction) is waited for first. ``warn(msg)``
     reports a cache problem that did not stop the build."""
+    from mla_backend_plugin.kernels.cute_common import background
     from mla_backend_plugin.kernels.cute_common.host import dsl_missing
 
+    background.wait(cache, variant, use_pdl, arch, warn)
     path, why = cache.check_entry(variant, use_pdl, arch)
     if path is not None:
         try:
@@ -294,7 +302,11 @@ def compiled_from_cache_or_jit(cache: AotCache, variant, use_pdl: bool, arch: st
     if missing:
         raise RuntimeError(f"{cache.family}: cannot run {variant.name}: {missing} and no prebuilt library can be "
                            f"used: {why}; {cache.prebuild_hint(arch)}")
+    t0 = time.monotonic()
     compiled = compile_fn()
+    # on an engine's start-up path unless it was prebuilt: say what it cost
+    logger.info("mla_decode: %s: compiled %s (pdl %s, %s) in this process in %.1f s", cache.family, variant.name,
+                "on" if use_pdl else "off", arch, time.monotonic() - t0)
     if cache_root() is not None:
         try:
             cache.export(compiled, variant, use_pdl, arch)

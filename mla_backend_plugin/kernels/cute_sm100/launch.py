@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.cute_common import background
 from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_cache_or_jit
 from mla_backend_plugin.kernels.cute_common.host import (
     DTYPE_NAMES,
@@ -29,7 +30,7 @@ from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
 
 # compute capability -> the arch the variant is compiled for (the cubins differ: sm_103a's exp2 and MMA paths)
 ARCH_BY_CC = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
-AOT = AotCache.for_family("cute_sm100", "mla_decode_sm100", os.path.dirname(os.path.abspath(__file__)))
+AOT = AotCache.for_family("cute_sm100", "mla_decode_sm100", os.path.dirname(os.path.abspath(__file__)), __name__)
 
 
 def unsupported_reason(args, cc) -> str | None:
@@ -120,6 +121,13 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = "sm_100a
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
                         cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
                         make_fake_stream(), options=compile_options(arch, keep_dir))
+
+
+def prebuild(args, config: LaunchConfig, cc) -> bool:
+    """Start compiling the variant ``launch(args, ..., config)`` runs in a background process
+    (cute_common/background.py); True when a build is running."""
+    arch = ARCH_BY_CC.get(tuple(cc)) if cc is not None else None
+    return arch is not None and background.start(AOT, variant_for(args, config), config.enable_pdl, arch)
 
 
 @functools.cache

@@ -21,5 +21,6 @@ MANIFEST = KernelManifest(
     plan_tile=lazy(f"{_HERE}.launch", "plan_tile"),
     combine="shared",  # balanced layout (kernels/combine)
     compile_variants=lazy(f"{_HERE}.build", "compile_variants"),
+    prebuild=lazy(f"{_HERE}.launch", "prebuild"),
     supports_row_kv_lens=True,
 )

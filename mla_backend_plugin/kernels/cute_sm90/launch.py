@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from mla_backend_plugin import envs
+from mla_backend_plugin.kernels.cute_common import background
 from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_cache_or_jit
 from mla_backend_plugin.kernels.cute_common.host import (
     DTYPE_NAMES,
@@ -30,7 +31,7 @@ from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
 
 ARCH = MANIFEST.archs[0]  # sm_90a
-AOT = AotCache.for_family("cute_sm90", "mla_decode_sm90", os.path.dirname(os.path.abspath(__file__)))
+AOT = AotCache.for_family("cute_sm90", "mla_decode_sm90", os.path.dirname(os.path.abspath(__file__)), __name__)
 
 
 def unsupported_reason(args, cc) -> str | None:
@@ -125,6 +126,12 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
                         cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
                         make_fake_stream(), options=compile_options(arch, keep_dir))
+
+
+def prebuild(args, config: LaunchConfig, cc) -> bool:
+    """Start compiling the variant ``launch(args, ..., config)`` runs in a background process
+    (cute_common/background.py); True when a build is running."""
+    return background.start(AOT, variant_for(args, config), config.enable_pdl, ARCH)
 
 
 @functools.cache
