@@ -108,3 +108,14 @@ def test_the_engine_hook_never_raises(monkeypatch, caplog):
 
 def test_prebuilding_needs_a_gpu():
     assert autotune.prebuild_deployment(_deployment(), torch.device("cpu")) == []
+
+
+def test_stand_in_inputs_ignore_a_default_device_context():
+    """vLLM constructs models under ``with torch.device("cuda")``; the prebuild's stand-in inputs are made there
+    (a CPU generator drawing into a tensor of the default device failed: "Expected a 'cuda' device type for
+    generator but found 'cpu'"). Here the default device is meta, which fails the same way."""
+    from mla_backend_plugin.testing import make_decode_inputs
+
+    with torch.device("meta"):
+        inputs = make_decode_inputs(2, [70, 5], 1, 16, 64, torch.bfloat16, "pair", "cpu", 0)
+    assert inputs.kv_cache.device.type == "cpu" and inputs.block_table.device.type == "cpu"

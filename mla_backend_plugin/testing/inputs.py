@@ -214,6 +214,20 @@ def _poison_row(kv_dtype: torch.dtype, poison: str, signs: torch.Tensor) -> torc
     return row.to(kv_dtype)
 
 
+def _cpu_by_default(fn):
+    """Engines build models under a default-device context (vLLM: ``with torch.device("cuda")``), and the
+    serving hooks make stand-in inputs there: tensors this module means for the CPU (and its CPU generator's
+    draws) must stay on the CPU; every device tensor names its device."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_cpu_by_default
 def make_decode_inputs(
     batch: int,
     seq_lens: list[int],
