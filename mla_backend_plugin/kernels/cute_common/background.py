@@ -133,4 +133,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # below the engine's own start-up work (torch.compile's workers above all), which is on the critical path;
+    # the build has until the first decode call
+    os.nice(5)
     sys.exit(main(sys.argv[1:]))
