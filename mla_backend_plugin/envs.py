@@ -127,10 +127,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "On-disk cache of compiled CuTe-DSL kernels (TVM-FFI libraries): unset/`1` = "
            "`~/.cache/mla_backend_plugin/cute`, `0` = off, else that directory (e.g. one made by "
            "`python -m mla_backend_plugin.compile --export-dir DIR`).", kind="path", parse=_cache_dir),
-    EnvVar("CUTE_MLA_PREBUILD", True,
-           "vLLM: at model construction, start compiling the CuTe-DSL variants the engine's decode will "
-           "launch in background processes (into `CUTE_MLA_CUTE_CACHE`), so that start-up overlaps them with "
-           "model loading and torch.compile. `0`: compile each on its first call instead.", kind="bool"),
+    EnvVar("CUTE_MLA_PREBUILD", False,
+           "vLLM: `1` starts compiling the CuTe-DSL variants the engine's decode will launch in background "
+           "processes at model construction (into `CUTE_MLA_CUTE_CACHE`) instead of on their first call. Off by "
+           "default: on an H100 host it hid the ~9-12 s compile but did not shorten a cold start (the build "
+           "competes with torch.compile; docs/STATUS.md).", kind="bool"),
     EnvVar("CUTE_MLA_XQA_CACHE", "",
            "Directory of the xqa_sm120 cubins built by nvcc (default `~/.cache/mla_backend_plugin/xqa`).",
            kind="path"),

@@ -1,8 +1,8 @@
 """CPU tests of the background builds of CuTe-DSL variants (kernels/cute_common/background.py) and of the serving
 hook that starts them at an engine's model construction (ops/serving.py ``prebuild_kernels``): a build started in
 the background fills the on-disk cache in another process and the first use waits for it instead of compiling;
-a failed build falls back to the in-process compile with its log in the warning; the hook runs once per process
-and ``CUTE_MLA_PREBUILD=0`` turns it off."""
+a failed build falls back to the in-process compile with its log in the warning; the hook runs once per process,
+only with ``CUTE_MLA_PREBUILD=1``."""
 
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ def test_the_engine_hook_prebuilds_once_per_process_and_can_be_turned_off(monkey
     calls = []
     monkeypatch.setattr(autotune, "prebuild_deployment", lambda d, dev, k: calls.append((d, dev, k)) or ["x:y"])
     monkeypatch.setattr(serving, "_PREBUILT", set())
+    monkeypatch.delenv("CUTE_MLA_PREBUILD", raising=False)  # off by default (it did not shorten a cold start)
+    assert serving.prebuild_kernels(_deployment(), "cuda:0") == [] and not calls
     monkeypatch.setenv("CUTE_MLA_PREBUILD", "0")
     assert serving.prebuild_kernels(_deployment(), "cuda:0") == [] and not calls
     monkeypatch.setenv("CUTE_MLA_PREBUILD", "1")
@@ -101,6 +103,7 @@ def test_the_engine_hook_never_raises(monkeypatch, caplog):
 
     monkeypatch.setattr(autotune, "prebuild_deployment", broken)
     monkeypatch.setattr(serving, "_PREBUILT", set())
+    monkeypatch.setenv("CUTE_MLA_PREBUILD", "1")
     with caplog.at_level(logging.WARNING, logger="mla_backend_plugin"):
         assert serving.prebuild_kernels(_deployment(), "cuda:0") == []
     assert "compile on first use" in caplog.text

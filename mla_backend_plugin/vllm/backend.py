@@ -113,10 +113,11 @@ def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
 
 
 def prebuild_decode_kernels(num_heads: int) -> None:
-    """At model construction (the first layer's impl; later ones find it done): start compiling the decode
-    variants this engine will launch in background processes, so that they overlap the model load and
-    torch.compile instead of delaying the first decode warm-up (ops/serving.py prebuild_kernels)."""
-    if not torch.cuda.is_available():
+    """At model construction (the first layer's impl; later ones find it done), with ``CUTE_MLA_PREBUILD=1``:
+    start compiling the decode variants this engine will launch in background processes, so that they overlap
+    the model load and torch.compile instead of delaying the first decode warm-up (ops/serving.py
+    prebuild_kernels)."""
+    if not envs.CUTE_MLA_PREBUILD or not torch.cuda.is_available():
         return
     from vllm.config import get_current_vllm_config
 
