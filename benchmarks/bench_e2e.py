@@ -299,7 +299,7 @@ START_PHASES = {
     "memory_profile_s": r"Memory profiling takes ([0-9.]+) seconds",
     "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
-    "cute_compile_in_process_s": r"compiled \S+ \(pdl \w+, \w+\) in this process in ([0-9.]+) s",
+    "cute_compile_in_process_s": r"compiled [^\n]+? \(pdl \w+, \w+\) in this process in ([0-9.]+) s",
     "cute_background_build_s": r"built in the background in ([0-9.]+) s",
     "cute_first_use_wait_s": r"built in the background in [0-9.]+ s \(first use waited ([0-9.]+) s\)",
 }

@@ -163,8 +163,8 @@ def test_start_phases_from_the_engine_log():
     log = "\n".join([
         "INFO 11-24 [gpu_model_runner.py:5348] Model loading took 6.2 GiB memory and 3.512345 seconds",
         "INFO 11-24 [monitor.py:20] torch.compile took 14.93 s in total",
-        "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: compiled bf16_q1_h128_b64 (pdl on, sm_90a) in this "
-        "process in 4.2 s",
+        "INFO 11-24 [aot.py:308] mla_decode: cute_sm90: compiled cute_sm90 h128 q1 bs16 kv=bf16 q=bf16 out=bf16 qFkF "
+        "(pdl on, sm_90a) in this process in 4.2 s",
         "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: bf16_q1 built in the background in 9.5 s (first use "
         "waited 0.0 s)",
         "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: bf16_q2 built in the background in 8.0 s (first use "
