@@ -121,7 +121,7 @@ def test_measure_cell_times_the_steps_where_the_whole_batch_decodes(monkeypatch)
 
 def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
     """A cut-off --start-times run keeps what it measured: every start is on disk before the next one begins.
-    CUTE_MLA starts cold, warm, then cold again (emptied caches) without the background prebuild; every start
+    CUTE_MLA starts cold, warm, then cold again (emptied caches) with the background prebuild; every start
     runs the sweep's engine (max_num_seqs = the largest batch)."""
     import argparse
     import os
@@ -152,8 +152,8 @@ def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert seen_on_disk == [0, 1, 2, 3]
     assert [(r["backend"], r["start"], r["start_s"]) for r in rows] == [
-        ("CUTE_MLA", "cold", 10.0), ("CUTE_MLA", "warm", 5.0), ("CUTE_MLA", "cold, CUTE_MLA_PREBUILD=0", 10.0)]
-    assert seen == [(None, False, 32), (None, True, 32), ("0", False, 32)]
+        ("CUTE_MLA", "cold", 10.0), ("CUTE_MLA", "warm", 5.0), ("CUTE_MLA", "cold, CUTE_MLA_PREBUILD=1", 10.0)]
+    assert seen == [(None, False, 32), (None, True, 32), ("1", False, 32)]
     assert all(r["graph_capture_s"] == 3.0 for r in rows)
     assert len(list((tmp_path / "logs").glob("start_CUTE_MLA_*.log"))) == 3
 
