@@ -982,11 +982,11 @@ def prebuild_deployment(deployment: Deployment, device, kernel: str = "auto") ->
             except ValueError:
                 continue
             config = spec.default_config(args, cc)
-        label = spec.label(config)
-        if spec.prebuild is None or (label, key.batch) in seen:
+        label = spec.label(config)  # a variant depends on the deployment's dtypes and q_len and on the config
+        if spec.prebuild is None or label in seen:
             continue
-        seen.add((label, key.batch))
-        if spec.prebuild(args, config, cc) and label not in started:
+        seen.add(label)
+        if spec.prebuild(args, config, cc):
             started.append(label)
     return started
 
