@@ -87,8 +87,24 @@ def scenario_entry_point() -> None:
     import logging
 
     ours, theirs = logging.getLogger("mla_backend_plugin"), logging.getLogger("vllm")
-    assert theirs.handlers and ours.handlers == theirs.handlers and ours.level == theirs.level
-    assert ours.isEnabledFor(logging.INFO) == theirs.isEnabledFor(logging.INFO)
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    catch, level = Catch(), theirs.level
+    theirs.addHandler(catch)
+    try:
+        theirs.setLevel(logging.INFO)
+        ours.info("routed through vLLM's logger")
+        theirs.setLevel(logging.WARNING)
+        ours.info("below vLLM's level")
+        ours.warning("a warning")
+    finally:
+        theirs.removeHandler(catch)
+        theirs.setLevel(level)
+    assert seen == ["routed through vLLM's logger", "a warning"], seen
 
 
 def scenario_cli_routes() -> None:

@@ -116,16 +116,26 @@ def _declare_env_var() -> None:
         envs.environment_variables[ENV_BACKEND_VAR] = lambda: os.getenv(ENV_BACKEND_VAR)
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands each record to vLLM's ``vllm`` logger when that logger is enabled for its level, so it is written by
+    whatever handlers, format and level vLLM configures, whenever it configures them (0.26 at import, 0.32 when
+    the engine starts)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
 def _log_through_vllm() -> None:
     """The package logs under ``mla_backend_plugin`` (engine-neutral); vLLM configures only its own ``vllm``
-    logger, so without this our INFO lines (kernel choice, tuned shapes, compile and background-build times)
-    would never reach a vLLM user's log. Route them through vLLM's handlers, format and level."""
-    ours, theirs = logging.getLogger("mla_backend_plugin"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    logger, so without this our INFO lines (kernel choice, tuned shapes, compile times) would never reach a vLLM
+    user's log."""
+    ours = logging.getLogger("mla_backend_plugin")
+    if any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
+    ours.addHandler(_ToVllmLogger())
+    ours.setLevel(logging.DEBUG)  # vLLM's logger decides (the handler checks its level)
     ours.propagate = False
 
 
