@@ -305,18 +305,38 @@ def mla_decode(
     return args.out, args.lse
 
 
+def _choice(args: DecodeArgs, kernel: str, config: LaunchConfig | None, cc, max_seq_len: int | None,
+            check: bool = True):
+    """(kernel spec, launch config or None, whether tuned): the tuner's choice for ``kernel="auto"`` without a
+    given config, else the arch table's (or the named) kernel with ``config``. ``check=False``: no self-check is
+    run (what a later call will most likely launch, for prebuilding)."""
+    from mla_backend_plugin.ops import autotune
+    from mla_backend_plugin.ops.registry import select_kernel
+
+    tuned = autotune.lookup(args, cc, max_seq_len, check=check) if kernel == "auto" and config is None else None
+    if tuned is not None:
+        return tuned.spec, tuned.config, True
+    return select_kernel(args, kernel, self_check=check), config, False
+
+
+def expected_launch(args: DecodeArgs, kernel: str = "auto"):
+    """(kernel spec, launch config) ``mla_decode`` will most likely launch for ``args`` once the engine runs, as far
+    as it is known before its first call: no self-check is run, no workspace is made. Raises ValueError when no
+    kernel supports the call."""
+    from mla_backend_plugin.ops.registry import device_capability
+
+    cc = device_capability(args.q_nope.device)
+    spec, config, _ = _choice(args, kernel, None, cc, None, check=False)
+    return spec, config if config is not None else spec.default_config(args, cc)
+
+
 def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspace: MLAWorkspace | None,
             enable_pdl: bool | None, fp8_design: str | None, max_seq_len: int | None):
     """(kernel spec, launch config, workspace) of a call: the tuned choice or the arch table's, checked to fit."""
-    from mla_backend_plugin.ops import autotune
     from mla_backend_plugin.ops.registry import device_capability, select_kernel
 
     cc = device_capability(args.q_nope.device)
-    tuned = autotune.lookup(args, cc, max_seq_len) if kernel == "auto" and config is None else None
-    if tuned is not None:
-        spec, config = tuned.spec, tuned.config
-    else:
-        spec = select_kernel(args, kernel)
+    spec, config, tuned = _choice(args, kernel, config, cc, max_seq_len)
     if spec.needs_workspace:
         if workspace is None:
             workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)

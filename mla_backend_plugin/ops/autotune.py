@@ -958,8 +958,7 @@ def prebuild_deployment(deployment: Deployment, device, kernel: str = "auto") ->
     cache's choice, else the arch table's kernel with its default config - on a tiny stand-in call of that shape.
     Self-checks are not run here (they launch kernels); a guess that a self-check later refuses only costs a
     background compile. Returns the labels of the builds started."""
-    from mla_backend_plugin.ops.api import prepare_args
-    from mla_backend_plugin.ops.registry import select_kernel
+    from mla_backend_plugin.ops.api import expected_launch, prepare_args
 
     device = _norm(device)
     if device.type != "cuda":
@@ -973,15 +972,10 @@ def prebuild_deployment(deployment: Deployment, device, kernel: str = "auto") ->
         scales = inputs.scale_kwargs(as_tensor=key.scale_form == "tensor") if key.scale_form != "none" else {}
         args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                             softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype, **scales)
-        tuned = lookup(args, cc, check=False) if kernel == "auto" else None
-        if tuned is not None:
-            spec, config = tuned.spec, tuned.config
-        else:
-            try:
-                spec = select_kernel(args, kernel, self_check=False)
-            except ValueError:
-                continue
-            config = spec.default_config(args, cc)
+        try:
+            spec, config = expected_launch(args, kernel)
+        except ValueError:  # no kernel supports the shape: its calls will say so
+            continue
         label = spec.label(config)  # a variant depends on the deployment's dtypes and q_len and on the config
         if spec.prebuild is None or label in seen:
             continue
