@@ -389,6 +389,20 @@ def test_mla_decode_auto_runs_the_tuned_choice(fakes, monkeypatch):
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
 
 
+def test_explicit_kernels_that_plan_splits_run_with_their_default_config(fakes, monkeypatch):
+    """A named kernel with a split plan (a workspace) and no config gets its default config; the check that a tuned
+    choice fits the workspace is skipped for it (a regression: every named cute_sm90 / triton call failed on the
+    GPU with "'NoneType' object has no attribute 'max_splits'")."""
+    monkeypatch.setattr(registry, "device_capability", lambda device: HOPPER)
+    inputs = _inputs(batch=2)
+    kw = dict(softmax_scale=inputs.softmax_scale)
+    out, lse = mla_decode(*inputs.call_args(), kernel="slow", **kw)
+    mla_decode(*inputs.call_args(), kernel="fast", **kw)
+    assert fakes == [("slow", LaunchConfig(enable_pdl=True)), ("fast", LaunchConfig())]
+    ref_out, ref_lse = inputs.reference()
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------------------------------------- warm-up hook
 
 def test_deployment_from_engine_limits(monkeypatch):

@@ -185,6 +185,6 @@ def test_balanced_kernels_compile_for_sm90():
         {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
          "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
         {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 4, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 32,
-         "USE_PDL": True},
+         "USE_PDL": True, "D_BLOCK": 128, "SPLIT_BLOCK": 32},
         {"num_warps": 4}, cc=90)
     assert combine.metadata.shared >= 0

@@ -33,6 +33,9 @@ CASES = [
     (torch.float16, [1, 1500, 3, 200, 127], 2, 32, 32, 16, 8, True, {1: 3}),
     # fp8 cache with scale 2, q_len 3, 64-key pages
     (torch.float8_e4m3fn, [700, 1, 90], 3, 16, 64, 8, 16, True, {0: 2}),
+    # B=1 on a pretend GPU the combine's rows do not fill: the combine splits the columns (4 blocks of 128) and
+    # merges all its splits (24 of at most 32) in one load round
+    (torch.float16, [3000], 1, 16, 16, 64, 32, True, {0: 16}),
     # the uniform plan through the same kernels
     (torch.float16, [1000, 1, 65, 300], 2, 16, 16, 8, 8, False, {}),
 ]
@@ -78,7 +81,7 @@ def main() -> None:
         if balanced:
             sched = check_schedule(ws, seq_lens, q_len, want)
             plan = ws.plan(len(seq_lens), q_len, balanced=True)
-            note = f"splits {sched.splits}, combine rows {plan.combine_rows}"
+            note = (f"splits {sched.splits}, combine rows {plan.combine_rows}, column blocks {plan.combine_col_blocks}")
         print(f"case {i}: ok ({'balanced' if balanced else 'uniform'}; {note})")
     # replay: the same workspace, first a batch with split requests, then one with fewer (stale list entries)
     first = [900, 1000, 5, 64]

@@ -341,7 +341,7 @@ def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspac
         if workspace is None:
             workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
         workspace.check_fits(args.batch, args.q_len, args.num_heads, args.q_nope.device)
-        if tuned is not None and spec.plan_tile is not None:
+        if tuned and spec.plan_tile is not None:
             from mla_backend_plugin.ops.arch import device_smem_per_block
 
             tile = spec.plan_tile(args.num_heads, device_smem_per_block(args.q_nope.device), config)

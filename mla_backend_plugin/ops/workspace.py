@@ -57,6 +57,7 @@ class SplitPlan:
     max_split_requests: int = 0  # J_max: most requests that can be split; the combine's grid is (.., J_max)
     max_slots: int = 0  # most partial slots (one per split item): partial rows needed = max_slots * q_len * H
     combine_rows: int = 1  # query rows one combine CTA merges (power of 2)
+    combine_col_blocks: int = 1  # column blocks of the 512 output columns, one combine CTA each (power of 2)
 
     @property
     def has_combine(self) -> bool:
@@ -96,9 +97,14 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     combine_rows = 1
     while combine_rows < 16 and rows % (2 * combine_rows) == 0 and rows * j_max // (2 * combine_rows) >= 2 * num_sms:
         combine_rows *= 2
+    # At small batches the combine has fewer rows x split requests than ~2 waves: split the columns too
+    # (at most 4 blocks of 128), so each CTA's loads of all its splits are one round, not a dependent chain.
+    combine_col_blocks = 1
+    while combine_col_blocks < 4 and rows * j_max // combine_rows * combine_col_blocks < 2 * num_sms:
+        combine_col_blocks *= 2
     return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, max_splits), min_chunk=min_chunk, balanced=True,
                      work_target=work, grid_items=items, max_split_requests=j_max, max_slots=slots,
-                     combine_rows=combine_rows)
+                     combine_rows=combine_rows, combine_col_blocks=combine_col_blocks)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -81,9 +81,13 @@ def combine_balanced_kernel(
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, ROWS: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+    D_BLOCK: tl.constexpr = 512, SPLIT_BLOCK: tl.constexpr = 1,
 ):
-    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max); CTA (r, j) merges ROWS rows of the j-th split
-    request, whose (b, S_b, n_b) the split kernel wrote to split_index[1 + 3 j:] (split_index[0] = J)."""
+    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max, D_NOPE / D_BLOCK); CTA (r, j, c) merges columns
+    [c * D_BLOCK, (c + 1) * D_BLOCK) of ROWS rows of the j-th split request, whose (b, S_b, n_b) the split kernel
+    wrote to split_index[1 + 3 j:] (split_index[0] = J). SPLIT_BLOCK partials are loaded per iteration as one
+    (ROWS, SPLIT_BLOCK, D_BLOCK) tile: at small batches a CTA merges all of its splits with one round of
+    independent loads instead of a chain of n_b dependent ones (one L2 latency each)."""
     if USE_PDL:
         gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
     j = tl.program_id(1)
@@ -108,20 +112,42 @@ def combine_balanced_kernel(
     lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.where(s_ok[None, :], tl.exp2(lse_s - lse_use[:, None]), 0.0)
     w_sum = tl.sum(w, axis=1)
-    offs_d = tl.arange(0, D_NOPE)
-    acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
-    for s in range(n_splits):
-        row_part = (slot0 + s).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows
-        # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
-        w_s = tl.exp2(tl.load(part_lse_ptr + row_part) - lse_use)
-        acc += w_s[:, None] * tl.load(part_o_ptr + row_part[:, None] * D_NOPE + offs_d[None, :])
+    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    offs_b = tl.arange(0, SPLIT_BLOCK)
+    acc = tl.zeros([ROWS, D_BLOCK], dtype=tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        b_ok = s0 + offs_b < n_splits
+        row_part = (slot0 + s0 + offs_b[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
+        # each split's weight from its own LSE (L1 hits), not picked out of ``w`` with a cross-warp sum; the
+        # slots past n_b weigh 0 and load 0 (never the workspace's stale values)
+        w_s = tl.exp2(tl.load(part_lse_ptr + row_part, mask=b_ok[None, :], other=float("-inf")) - lse_use[:, None])
+        o = tl.load(part_o_ptr + row_part[:, :, None] * D_NOPE + offs_d[None, None, :], mask=b_ok[None, :, None],
+                    other=0.0)
+        acc += tl.sum(w_s[:, :, None] * o, axis=1)
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     tok = b * Q_LEN + rows // NUM_HEADS
     h = rows % NUM_HEADS
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_d[None, :],
              (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
-    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+    if tl.program_id(2) == 0:
+        lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+
+
+# elements of one (rows, splits, columns) partial tile per combine CTA: 64 fp32 registers per thread at 4 warps
+COMBINE_TILE_ELEMENTS = 8192
+
+
+def combine_tile(plan) -> tuple[int, int]:
+    """(D_BLOCK, SPLIT_BLOCK) of the balanced combine for ``plan``: its column blocks, and as many splits per
+    load round as fit in COMBINE_TILE_ELEMENTS next to combine_rows x D_BLOCK (a power of 2, at most the
+    split cap)."""
+    d_block = KV_LORA_RANK // plan.combine_col_blocks
+    split_block = 1
+    cap = triton.next_power_of_2(plan.num_splits)
+    while split_block < cap and 2 * split_block * plan.combine_rows * d_block <= COMBINE_TILE_ELEMENTS:
+        split_block *= 2
+    return d_block, split_block
 
 
 def scale_args(scale):
@@ -150,12 +176,13 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -
         if plan.max_split_requests == 0:
             return
         rows = args.q_len * args.num_heads
-        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests)](
+        d_block, split_block = combine_tile(plan)
+        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
             out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
             D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-            num_warps=4, **extra,
+            D_BLOCK=d_block, SPLIT_BLOCK=split_block, num_warps=4, **extra,
         )
         return
     combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](
