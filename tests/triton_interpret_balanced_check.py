@@ -81,7 +81,9 @@ def main() -> None:
         if balanced:
             sched = check_schedule(ws, seq_lens, q_len, want)
             plan = ws.plan(len(seq_lens), q_len, balanced=True)
-            note = (f"splits {sched.splits}, combine rows {plan.combine_rows}, column blocks {plan.combine_col_blocks}")
+            note = f"splits {sched.splits}, combine rows {plan.combine_rows}, column blocks {plan.combine_col_blocks}"
+            if len(seq_lens) == 1:  # the B=1 case must take the column-split, one-round path it is there for
+                assert plan.combine_col_blocks > 1 and plan.combine_split_block >= max(sched.splits), note
         print(f"case {i}: ok ({'balanced' if balanced else 'uniform'}; {note})")
     # replay: the same workspace, first a batch with split requests, then one with fewer (stale list entries)
     first = [900, 1000, 5, 64]

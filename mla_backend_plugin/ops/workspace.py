@@ -43,6 +43,9 @@ SPLIT_CAPACITY = 64
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
 # than the parallelism gains.
 MIN_CHUNK_TOKENS = 128
+# Elements of one (rows, splits, columns) tile of partials a combine CTA loads per round: 64 fp32 registers per
+# thread at the combine's 4 warps.
+COMBINE_TILE_ELEMENTS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ class SplitPlan:
     max_slots: int = 0  # most partial slots (one per split item): partial rows needed = max_slots * q_len * H
     combine_rows: int = 1  # query rows one combine CTA merges (power of 2)
     combine_col_blocks: int = 1  # column blocks of the 512 output columns, one combine CTA each (power of 2)
+    combine_split_block: int = 1  # splits one combine CTA loads per round (power of 2)
 
     @property
     def has_combine(self) -> bool:
@@ -102,9 +106,16 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     combine_col_blocks = 1
     while combine_col_blocks < 4 and rows * j_max // combine_rows * combine_col_blocks < 2 * num_sms:
         combine_col_blocks *= 2
+    # as many splits per load round as fit in one (rows, splits, columns) tile of COMBINE_TILE_ELEMENTS, at most
+    # the split cap rounded up to a power of 2
+    tile_columns = combine_rows * (KV_LORA_RANK // combine_col_blocks)
+    combine_split_block = 1
+    while combine_split_block < max_splits and 2 * combine_split_block * tile_columns <= COMBINE_TILE_ELEMENTS:
+        combine_split_block *= 2
     return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, max_splits), min_chunk=min_chunk, balanced=True,
                      work_target=work, grid_items=items, max_split_requests=j_max, max_slots=slots,
-                     combine_rows=combine_rows, combine_col_blocks=combine_col_blocks)
+                     combine_rows=combine_rows, combine_col_blocks=combine_col_blocks,
+                     combine_split_block=combine_split_block)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -134,22 +134,6 @@ def combine_balanced_kernel(
         tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
 
 
-# elements of one (rows, splits, columns) partial tile per combine CTA: 64 fp32 registers per thread at 4 warps
-COMBINE_TILE_ELEMENTS = 8192
-
-
-def combine_tile(plan) -> tuple[int, int]:
-    """(D_BLOCK, SPLIT_BLOCK) of the balanced combine for ``plan``: its column blocks, and as many splits per
-    load round as fit in COMBINE_TILE_ELEMENTS next to combine_rows x D_BLOCK (a power of 2, at most the
-    split cap)."""
-    d_block = KV_LORA_RANK // plan.combine_col_blocks
-    split_block = 1
-    cap = triton.next_power_of_2(plan.num_splits)
-    while split_block < cap and 2 * split_block * plan.combine_rows * d_block <= COMBINE_TILE_ELEMENTS:
-        split_block *= 2
-    return d_block, split_block
-
-
 def scale_args(scale):
     """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
     if isinstance(scale, torch.Tensor):
@@ -176,13 +160,12 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -
         if plan.max_split_requests == 0:
             return
         rows = args.q_len * args.num_heads
-        d_block, split_block = combine_tile(plan)
         combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
             out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
             D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-            D_BLOCK=d_block, SPLIT_BLOCK=split_block, num_warps=4, **extra,
+            D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block, num_warps=4, **extra,
         )
         return
     combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](
