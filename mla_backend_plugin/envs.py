@@ -114,6 +114,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma, q as e4m3 hi + lo) or `dequant` (widen the "
            "cache to 16 bits; more accurate). Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("fp8mma", "dequant")),
+    EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
+           "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
+           "one's softmax under the other's wgmma) or `lockstep` (both on every tile; the v3 kernel, for "
+           "comparisons).", kind="choice", choices=("seesaw", "lockstep")),
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),

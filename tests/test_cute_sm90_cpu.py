@@ -57,6 +57,26 @@ def test_variant_key_covers_what_changes_the_binary():
     assert not variant_for(fp8, fp8_design="dequant").fp8_mma and variant_for(fp8, fp8_design="fp8mma").fp8_mma
 
 
+def test_schedule_follows_the_environment_for_16_bit_caches(monkeypatch):
+    """16-bit caches run the seesaw schedule unless CUTE_MLA_SM90_SCHEDULE=lockstep (a separate binary: its own
+    cache key); fp8 caches have one schedule per design; a bad value is refused by name."""
+    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
+    monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
+    seesaw = variant_for(_args())
+    assert seesaw.schedule == "seesaw" and "lockstep" not in seesaw.name
+    monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "lockstep")
+    lockstep = variant_for(_args())
+    assert lockstep.schedule == "lockstep" and lockstep.name.endswith(" lockstep") and lockstep != seesaw
+    assert variant_for(fp8).schedule == "lockstep" and "lockstep" not in variant_for(fp8).name
+    monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE")
+    assert variant_for(fp8).schedule == "lockstep"
+    monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "pingpong")
+    with pytest.raises(ValueError, match="CUTE_MLA_SM90_SCHEDULE='pingpong': allowed values are seesaw, lockstep"):
+        variant_for(_args())
+    with pytest.raises(ValueError, match="schedule 'pingpong'; allowed: seesaw, lockstep"):
+        config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False, schedule="pingpong")
+
+
 def test_launch_configs(monkeypatch):
     """The default follows the environment; the candidates a tuner sees cover both fp8 designs and PDL."""
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)

@@ -23,6 +23,10 @@ import cutlass.cute as cute
 class Sm90DecodeBarrier(enum.IntEnum):
     SYNC_THREADS = 0  # reserved: __syncthreads
     CONSUMERS = 1  # the two consumer warp groups (256 threads): Q in smem, row maxima posted, P written, sums
+    # the staggered ("seesaw") schedule, kernels/cute_sm90/kernel_seesaw.py: both groups meet
+    SCALE_A = 2  # left group posted tile A's running row maxima -> right group
+    SCALE_B = 3  # right group posted tile B's (the pair's final) row maxima -> left group
+    P_FULL = 4  # left wrote P_A (rescaled to tile B's maxima) to sP0, right wrote P_B to sP1 -> the SS P V
 
 
 class Sm100DecodeBarrier(enum.IntEnum):
@@ -38,6 +42,11 @@ class Sm100DecodeBarrier(enum.IntEnum):
 def consumer_barrier(num_threads: int = 256) -> None:
     """Both SM90 consumer warp groups meet."""
     cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.CONSUMERS), number_of_threads=num_threads)
+
+
+def consumer_sync(barrier: Sm90DecodeBarrier) -> None:
+    """Both SM90 consumer groups meet at a named exchange point (``bar.sync``, 256 threads)."""
+    cute.arch.barrier(barrier_id=int(barrier), number_of_threads=256)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """CuTe-DSL MLA decode for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV on the balanced plan.
 
-``kernel.py`` (16-bit caches, and fp8 caches widened to 16 bits: design A), ``kernel_fp8mma.py`` (fp8 wgmma on
+``kernel_seesaw.py`` (16-bit caches, the default: the two consumer warp groups alternate tiles),
+``kernel.py`` (the lock-step schedule: 16-bit caches with CUTE_MLA_SM90_SCHEDULE=lockstep, and fp8 caches
+widened to 16 bits: design A), ``kernel_fp8mma.py`` (fp8 wgmma on
 fp8 caches: design B), ``config.py`` (tile, budgets, variant key), ``launch.py`` (registry entry points, compile
 cache, launch), ``build.py`` (ahead-of-time build with SASS checks). Shared CuTe pieces: kernels/cute_common.
 """

@@ -1,8 +1,9 @@
 """Ahead-of-time build of the CuTe-DSL SM90 kernel's variants with no GPU (``python -m mla_backend_plugin.compile
 --arch sm_90a``): each variant is compiled for sm_90a, its cubin is inspected with cuobjdump, and a variant
 fails unless the SASS holds wgmma (HGMMA; e4m3 QGMMA and no HGMMA for the fp8-wgmma design), TMA loads
-(UTMALDG) for 16-bit caches and that design, and no local-memory
-spills (STL/LDL, non-zero stack)."""
+(UTMALDG) for 16-bit caches and that design, no local-memory
+spills (STL/LDL, non-zero stack), and no wgmma serialisation (ptxas waits after every wgmma it cannot prove
+warp-group uniform)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def serving_variants() -> list[Variant]:
     # design A of the fp8 path (CUTE_MLA_FP8_DESIGN=dequant) at the main shapes
     out += [Variant("fp8", "bf16", "bf16", 128, q, 64, False, True, fp8_mma=False) for q in (1, 2)]
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
+    # the lock-step schedule of 16-bit caches (CUTE_MLA_SM90_SCHEDULE=lockstep) at the main shapes
+    out += [Variant("bf16", "bf16", "bf16", 128, q, 64, False, False, schedule="lockstep") for q in (1, 2)]
     # decode context parallelism with MTP (per-row key counts), 128 heads per kernel call (e.g. TP8 x DCP8)
     out += [Variant(kv, "bf16", "bf16", 128, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8", row_kv_lens=True)
             for kv, q in itertools.product(("bf16", "fp8"), (2, 4))]
@@ -53,6 +56,7 @@ def inspect_cubin(path: str) -> dict:
     return dict(registers=num("REG"), stack=num("STACK"), local=num("LOCAL"), shared_static=num("SHARED"),
                 hgmma=len(re.findall(r"\bHGMMA\.", sass)), qgmma=len(re.findall(r"\bQGMMA\.", sass)),
                 utmaldg=len(re.findall(r"\bUTMALDG", sass)),
+                wgmma_waits=len(re.findall(r"\bWARPGROUP\.DEPBAR", sass)),
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
 
@@ -75,6 +79,11 @@ def _build_one(variant: Variant, arch: str):
             problems.append(f"fp8 wgmma expected: {info['qgmma']} QGMMA, {info['hgmma']} HGMMA in the SASS")
     elif info["hgmma"] == 0:
         problems.append("no HGMMA (wgmma) in the SASS")
+    # ptxas serialises every wgmma it cannot prove warp-group uniform (C7518: a wait after each instruction);
+    # the kernels wait a handful of times per tile, so more waits than a quarter of the wgmmas means that
+    if 4 * info["wgmma_waits"] > info["hgmma"] + info["qgmma"]:
+        problems.append(f"wgmma serialised: {info['wgmma_waits']} WARPGROUP.DEPBAR for "
+                        f"{info['hgmma'] + info['qgmma']} wgmma")
     if (variant.kv_dtype != "fp8" or variant.fp8_mma) and info["utmaldg"] == 0:
         problems.append("no UTMALDG (TMA load) in the SASS")
     if spills or info["spill_ops"]:

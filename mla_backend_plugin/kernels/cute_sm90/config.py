@@ -41,6 +41,15 @@ class Variant:
     # True: each query row's key count is read from a [B, q_len] tensor (decode context parallelism with MTP,
     # where the q block's own tokens are not all in this rank's cache) instead of seq_len - q_len + t + 1
     row_kv_lens: bool = False
+    # 16-bit caches: "seesaw" (kernel_seesaw.py: the consumer groups alternate tiles) or "lockstep" (kernel.py:
+    # both groups on every tile); fp8 caches: always "lockstep" (the fp8 kernels have one schedule each)
+    schedule: str = "seesaw"
+
+    def __post_init__(self):
+        if self.schedule not in ("seesaw", "lockstep"):
+            raise ValueError(f"schedule {self.schedule!r}; allowed: seesaw, lockstep")
+        if self.kv_dtype == "fp8" and self.schedule != "lockstep":
+            object.__setattr__(self, "schedule", "lockstep")
 
     @property
     def compute_dtype(self) -> str:
@@ -51,8 +60,9 @@ class Variant:
         scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
         design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
         rows = " row_kv_lens" if self.row_kv_lens else ""
+        schedule = " lockstep" if self.kv_dtype != "fp8" and self.schedule == "lockstep" else ""
         return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
-                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}")
+                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}{schedule}")
 
 
 def m_blocks(num_heads: int, q_len: int) -> int:

@@ -291,16 +291,13 @@ class Sm90MlaDecode:
         warpgroup.commit_group()
 
     @cute.jit
-    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mRowKv, mOut,
-                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
-                seq_len, kv_start, kv_end, n_tiles, ctid):
+    def load_q(self, sQ, mQn, mQp, b, mblk, ctid):
+        """Both consumer groups (256 threads) copy the CTA's 64 query rows into 128B-swizzled shared memory in
+        the compute dtype (an fp8 q widened), zero rows past q_len x H, and meet once it is visible to wgmma."""
         H = self.v.num_heads
         QL = self.v.q_len
         cd = self.cdtype
         rows = self.rows
-        grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
-
-        # ---- Q -> shared memory (16-bit, swizzled), zero rows past q_len * H ----
         for i in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256, unroll=1):
             row = i // (D_QK // 8)
             c8 = i % (D_QK // 8)
@@ -319,6 +316,15 @@ class Sm90MlaDecode:
                 dst.store(cute.zeros_like(dst.load()))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumer_barrier()
+
+    @cute.jit
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mRowKv, mOut,
+                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
+                seq_len, kv_start, kv_end, n_tiles, ctid):
+        cd = self.cdtype
+        grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
+
+        self.load_q(sQ, mQn, mQp, b, mblk, ctid)
 
         qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
                                      mKVScale)

@@ -78,7 +78,8 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
-                   row_kv_lens=args.row_kv_lens is not None)
+                   row_kv_lens=args.row_kv_lens is not None,
+                   schedule="lockstep" if args.kv_dtype == FP8_DTYPE else envs.CUTE_MLA_SM90_SCHEDULE)
 
 
 def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = None, keep_dir: str | None = None):
@@ -92,6 +93,8 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
 
     if variant.fp8_mma:
         from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
+    elif variant.schedule == "seesaw":
+        from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw as kernel_class
     else:
         kernel_class = Sm90MlaDecode
 

@@ -1,0 +1,481 @@
+"""CuTe-DSL MLA decode for Hopper, 16-bit caches, staggered ("seesaw") schedule (sm_90a).
+
+Same grid, work items, Q load, masking and epilogue as ``kernel.Sm90MlaDecode`` (the lock-step schedule); what
+differs is who computes what, so one consumer group's softmax runs while the other group's wgmmas keep the
+tensor cores busy (the design FlashMLA's SM90 decode uses; docs/design/cute_sm90_v4.md):
+
+* Tiles come in pairs: tile A = 2i in stage 0, tile B = 2i + 1 in stage 1 (a split with an odd tile count gets
+  a last tile B past its end, which TMA fills with zeros and the mask removes).
+* The left group (warp group 1) owns output columns 0..255 and computes S_A = Q K_A^T over the whole 64-key
+  tile; the right group (warp group 2) owns columns 256..511 and computes S_B. Both share one running row
+  maximum: left posts m_A (``SCALE_A``), right folds S_B in and posts m_B (``SCALE_B``).
+* Each group multiplies its own P by its half of V straight from registers (RS wgmma) and the other group's P
+  from shared memory (SS): left writes P_A (already rescaled to m_B) to sP0, right writes P_B to sP1
+  (``P_FULL``). sP1 is the shared memory of Q's rope chunk, which both groups keep in registers.
+* The three meeting points are full two-sided barriers (``bar.sync`` by both groups), each placed where the
+  group that arrives first has already issued its wgmmas, so the tensor cores stay busy while it waits. A
+  one-sided ``bar.arrive`` would let that group run on, but compute-sanitizer's racecheck then reports
+  hazards on the exchanged maxima (even across later full barriers), and the project keeps racecheck clean.
+* Each stage is filled and released in halves: chunks 0-3 (left's V) and chunks 4-8 (right's V and the rope
+  columns), one full and one empty mbarrier each. Left computes Q K^T over chunks 0-3 first, right over 4-8
+  first, which is the order the halves free up, so the next tile's loads start before the current pair's
+  last P V has finished. The producer loads a pair in the order A0-3, B4-8, A4-8, B0-3: every half it waits
+  for is released by consumer work that needs no later load (no cycle, no deadlock).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mla_backend_plugin.kernels.cute_common.barriers import MbarrierRing, Sm90DecodeBarrier, consumer_sync
+from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
+from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, Variant
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
+
+# the halves of a stage: chunks [0, 4) (V columns 0..255) and [4, 9) (V columns 256..511 and the rope)
+HALF_CHUNKS = ((0, 4), (4, K_CHUNKS))
+# (tile of the pair, half) in the producer's order: A 0-3, B 4-8, A 4-8, B 0-3 (module docstring)
+LOAD_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
+K_STEPS_PER_CHUNK = 4  # 64 columns / k16
+REGS_CONSUMER = 240
+REGS_PRODUCER = 24
+
+
+class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
+    """The seesaw schedule for 16-bit caches (bf16 / fp16)."""
+
+    def __init__(self, variant: Variant, use_pdl: bool = True):
+        super().__init__(variant, use_pdl)
+        if variant.kv_dtype == "fp8":
+            raise ValueError("the seesaw schedule is for 16-bit caches (fp8 caches: kernel_fp8mma.py)")
+        self.chunk_bytes = BLOCK_N * 64 * self.cdtype.width // 8  # one 64x64 chunk of a tile: 8 KB
+
+    # ------------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
+                 mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
+                 num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+                 grid_items: cutlass.Int32, stream: cuda.CUstream):
+        cd = self.cdtype
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        RMEM = warpgroup.OperandSource.RMEM
+        # S = Q K^T over a whole tile by one group (128 threads): Q from shared memory, and its rope chunk from
+        # registers
+        qk_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
+                                                   (BLOCK_M, BLOCK_N))
+        # a second copy for the k-steps that accumulate: each copy's ACCUMULATE field is set once, at the top of
+        # the consumer (a set() inside a dynamic branch fails the DSL's dominance check)
+        qk_acc_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
+                                                       (BLOCK_M, BLOCK_N))
+        qk_rs_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
+                                                      (BLOCK_M, BLOCK_N), RMEM)
+        # O += P V: two atoms along N, group 1 columns 0..255 and group 2 columns 256..511; P from the group's
+        # registers (its own tile) or from shared memory (the other group's tile)
+        pv_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, MN_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                   (BLOCK_M, D_NOPE // 2))
+        pv_rs_mma = sm90_utils.make_trivial_tiled_mma(cd, cd, K_MAJOR, MN_MAJOR, cutlass.Float32, (1, 2, 1),
+                                                      (BLOCK_M, D_NOPE // 2), RMEM)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 1)
+        # one 64x64 P tile (K-major, 128B swizzle): the same bytes as one 64-column chunk of Q
+        p_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), cd, 1)
+        kv_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), cd, 2)
+        v_layout_one = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), cd, 1)
+        v_outer = cute.append(cute.select(v_layout_one.outer, mode=[0, 1]),
+                              cute.make_layout(2, stride=BLOCK_N * D_QK))
+
+        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        box_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cd),
+            (self.box_rows, 64), order=(0, 1))
+        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv, box_layout,
+                                                           (self.box_rows, 64))
+
+        @cute.struct
+        class SharedStorage:
+            # full[stage][half] (TMA bytes), then empty[stage][half] (8 consumer warps)
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 8]
+            # running row maxima after tile A / after tile B, one buffer per pair parity: a pair's write never
+            # meets the previous pair's read of the same word
+            max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            sP0: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(p_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(kv_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
+        self.kernel(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq,
+                    mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
+                    mSplitIndex, num_splits, min_chunk, work_target, q_layout, kv_layout, p_layout,
+                    v_layout_one.inner, v_outer).launch(
+            grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.use_pdl)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, qk_acc_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+               pv_rs_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor, mQp: cute.Tensor,
+               mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor,
+               mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
+               mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
+               sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
+               min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
+        tidx, _, _ = cute.arch.thread_idx()
+        mblk, w, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sP0 = storage.sP0.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        # sP1 = Q's rope chunk (chunk 8, 1 KB-aligned), free once both groups hold it in registers
+        sP1 = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr() + (K_CHUNKS - 1) * BLOCK_M * 64,
+                                               p_layout.inner), p_layout.outer)
+        sMaxA = storage.max_a.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sMaxB = storage.max_b.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
+        bars = storage.kv_mbar.data_ptr()
+        # one use per pair of tiles: ring of 1 slot, use i = pair i
+        full = [[MbarrierRing(bars + 2 * s + h, 1, 1) for h in range(2)] for s in range(2)]
+        empty = [[MbarrierRing(bars + 4 + 2 * s + h, 1, 8) for h in range(2)] for s in range(2)]
+        if tidx == 0:
+            for s in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    full[s][h].init()
+                    empty[s][h].init()
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+
+        # everything below may read what the previous kernel in the stream wrote
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+            mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
+        n_pairs = (n_tiles + 1) // 2
+        if b1 > 0:  # else: past the end of the schedule
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+                if warp_idx == 0:
+                    self.produce(tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs)
+            else:
+                cute.arch.setmaxregister_increase(REGS_CONSUMER)
+                self.consume_seesaw(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0,
+                                    sP1, sMaxA, sMaxB, sSumX, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
+                                    mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
+                                    kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs):
+        rb = self.box_rows
+        s_boxes = cute.flat_divide(sKV, (rb, 64))
+        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
+        tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
+                                         cute.group_modes(g_boxes, 0, 2))
+        num_blocks = mKV.shape[0]
+        for i in cutlass.range(n_pairs, unroll=1):
+            # the order of the halves is what keeps the consumers' waits acyclic (module docstring)
+            for n in cutlass.range_constexpr(4):
+                tile_in_pair, h = LOAD_ORDER[n]
+                self.load_half(tma_atom, tKg, tKs, full[tile_in_pair][h], empty[tile_in_pair][h], mBT,
+                               num_blocks, b, kv_start, kv_end, 2 * i + tile_in_pair, i, tile_in_pair, h)
+
+    @cute.jit
+    def load_half(self, tma_atom, tKg, tKs, full, empty, mBT, num_blocks, b, kv_start, kv_end, tile, use,
+                  stage: cutlass.Constexpr, half: cutlass.Constexpr):
+        """Half ``half`` of tile ``tile`` into ``stage`` once the consumers released the previous pair's."""
+        bs = self.v.block_size
+        rb = self.box_rows
+        c0, c1 = HALF_CHUNKS[half]
+        empty.wait_released(use)
+        with cute.arch.elect_one():
+            full.arrive_expect_tx(use, (c1 - c0) * self.chunk_bytes)
+        tile_start = kv_start + tile * BLOCK_N
+        for p in cutlass.range(BLOCK_N // rb, unroll=1):
+            tok = tile_start + p * rb
+            # past the split's end (its last partial page slice's tail excepted): an out-of-range page, which
+            # TMA fills with zeros, so no stale block-table entry is dereferenced
+            page = num_blocks
+            if tok < kv_end:
+                page = mBT[b, tok // bs]
+            row_box = (tok % bs) // rb
+            for c in cutlass.range_constexpr(c0, c1):
+                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)],
+                          tma_bar_ptr=full.slot(use))
+
+    @cute.jit
+    def issue_qk_half(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage: cutlass.Constexpr,
+                      half: cutlass.Constexpr, first: cutlass.Constexpr):
+        """Issue (not wait for) the k-steps of S = Q K^T over one half of the tile in ``stage``; the rope chunk
+        (the last) takes Q from registers. ``first``: this half starts the accumulation."""
+        c0, c1 = HALF_CHUNKS[half]
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(c0 * K_STEPS_PER_CHUNK, c1 * K_STEPS_PER_CHUNK):
+            if cutlass.const_expr(k >= (K_CHUNKS - 1) * K_STEPS_PER_CHUNK):
+                cute.gemm(qk_rs_mma, acc_s, tSrQreg[(None, None, k - (K_CHUNKS - 1) * K_STEPS_PER_CHUNK)],
+                          tSrK[(None, None, k, stage)], acc_s)
+            elif cutlass.const_expr(first and k == c0 * K_STEPS_PER_CHUNK):
+                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+            else:
+                cute.gemm(qk_acc_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, mma, acc_o, tOrP, tOrV, stage: cutlass.Constexpr, from_registers: cutlass.Constexpr):
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(BLOCK_N // 16):
+            if cutlass.const_expr(from_registers):
+                cute.gemm(mma, acc_o, tOrP[(None, None, k)], tOrV[(None, None, k, stage)], acc_o)
+            else:
+                cute.gemm(mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def release(self, ring, use, lane):
+        """One arrive per warp of a consumer group (the ring counts 8: both groups' warps)."""
+        if lane == 0:
+            ring.arrive(use)
+
+    @cute.jit
+    def consume_seesaw(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0, sP1,
+                       sMaxA, sMaxB, sSumX, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale,
+                       kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_pairs, ctid, grp):
+        """``grp`` (warp-uniform, from make_warp_uniform): 0 = left (tiles A, output columns 0..255), 1 = right
+        (tiles B, columns 256..511). ptxas must see the branch on it as uniform, or it serialises every wgmma
+        (C7518, "WG.DP in divergent path")."""
+        cd = self.cdtype
+        gtid = ctid % 128
+        lane = ctid % 32
+
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        qk_acc_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+        self.load_q(sQ, mQn, mQp, b, mblk, ctid)
+        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                     mKVScale)
+        scale_log2 = sm_scale_log2 * qscale * kscale
+
+        qk_thr = qk_mma.get_slice(gtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKV))
+        # Q's rope chunk as register A fragments (its shared memory becomes sP1)
+        qk_rs_thr = qk_rs_mma.get_slice(gtid)
+        tSsQ_rs = qk_rs_thr.partition_A(sQ)
+        tSrQreg = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, K_STEPS_PER_CHUNK), stride=((1, 2, 4), 0, 8)),
+                                        cd)
+        for k in cutlass.range_constexpr(K_STEPS_PER_CHUNK):
+            cute.autovec_copy(tSsQ_rs[(None, 0, (K_CHUNKS - 1) * K_STEPS_PER_CHUNK + k, 0)], tSrQreg[(None, 0, k)])
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+        tSsP0 = qk_thr.partition_C(sP0[(None, None, 0)])
+        tSsP1 = qk_thr.partition_C(sP1[(None, None, 0)])
+
+        pv_thr = pv_mma.get_slice(ctid)
+        tOrP0 = pv_thr.make_fragment_A(pv_thr.partition_A(sP0))
+        tOrP1 = pv_thr.make_fragment_A(pv_thr.partition_A(sP1))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        pv_rs_thr = pv_rs_mma.get_slice(ctid)
+        tOrVrs = pv_rs_thr.make_fragment_B(pv_rs_thr.partition_B(sV))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
+        acc_o.fill(0.0)
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
+        # this group's P as the A operand of P V: the S accumulator's 32 values in the same order (the C layout
+        # of m64n64 and the A layout of four m64k16 steps hold the same (row, key) per value index)
+        r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, BLOCK_N // 16), stride=((1, 2, 4), 0, 8)), cd)
+
+        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # running maximum (both groups)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # over this group's tiles
+        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+        for half in cutlass.range_constexpr(2):
+            row_max[half] = -cutlass.Float32.inf
+            row_sum[half] = 0.0
+            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + tScS[2 * half][0], seq_len, kv_end)
+
+        if grp == 0:
+            if n_pairs > 0:
+                full[0][0].wait_filled(0)
+                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 0, True)
+                full[0][1].wait_filled(0)
+                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 1, False)
+            for i in cutlass.range(n_pairs, unroll=1):
+                tile_start = kv_start + 2 * i * BLOCK_N
+                warpgroup.wait_group(0)  # S_A (and the previous pair's P_B V_B)
+                self.zero_tail_v(sKV, 0, kv_end - tile_start, gtid)
+                self.release(empty[0][1], i, lane)  # tile A's chunks 4-8: read by S_A only
+                self.release(empty[1][1], i, lane)  # tile B's chunks 4-8: never read by this group
+                m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+                m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+                for half in cutlass.range_constexpr(2):
+                    m = cute.arch.fmax(row_max[half], m_a[half])
+                    m_a[half] = m
+                    m_use[half] = m
+                    if m == -cutlass.Float32.inf:
+                        m_use[half] = 0.0  # a row with no key yet: keep its zero state
+                    alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
+                    if lane % 4 == 0:
+                        sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+                self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
+                self.rescale_o(acc_o, alpha)
+                self.issue_pv(pv_rs_mma, acc_o, r_p, tOrVrs, 0, True)
+                consumer_sync(Sm90DecodeBarrier.SCALE_A)
+                # m_B from the right group: P_A goes to it rescaled to m_B
+                consumer_sync(Sm90DecodeBarrier.SCALE_B)
+                for half in cutlass.range_constexpr(2):
+                    m_b = sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]]
+                    mu_b = m_b
+                    if m_b == -cutlass.Float32.inf:
+                        mu_b = 0.0
+                    alpha[half] = cute.math.exp2(m_a[half] - mu_b, fastmath=True)
+                    row_max[half] = m_b
+                p_other = cute.make_rmem_tensor(acc_s.layout, cd)
+                for v in cutlass.range_constexpr(cute.size(acc_s)):
+                    p_other[v] = (acc_s[v] * alpha[(v >> 1) & 1]).to(cd)
+                cute.autovec_copy(p_other, tSsP0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
+                warpgroup.wait_group(0)  # P_A V_A,left
+                self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: S_A and P_A V_A,left are done
+                for half in cutlass.range_constexpr(2):
+                    row_sum[half] = row_sum[half] * alpha[half]
+                self.rescale_o(acc_o, alpha)
+                self.issue_pv(pv_mma, acc_o, tOrP1, tOrV, 1, False)
+                if i + 1 < n_pairs:
+                    full[0][0].wait_filled(i + 1)
+                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 0, True)
+                    warpgroup.wait_group(1)  # P_B V_B,left
+                    self.release(empty[1][0], i, lane)
+                    full[0][1].wait_filled(i + 1)
+                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 1, False)
+                else:
+                    warpgroup.wait_group(0)
+                    self.release(empty[1][0], i, lane)
+        else:
+            if n_pairs > 0:
+                full[1][1].wait_filled(0)
+                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 1, True)
+                full[1][0].wait_filled(0)
+                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 0, False)
+            for i in cutlass.range(n_pairs, unroll=1):
+                tile_start = kv_start + (2 * i + 1) * BLOCK_N
+                warpgroup.wait_group(0)  # S_B (the previous pair's P V were retired at its end)
+                self.zero_tail_v(sKV, 1, kv_end - tile_start, gtid)
+                self.release(empty[1][0], i, lane)  # tile B's chunks 0-3: read by S_B only here
+                self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: never read by this group
+                tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                consumer_sync(Sm90DecodeBarrier.SCALE_A)
+                alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+                m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+                for half in cutlass.range_constexpr(2):
+                    after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
+                    mu_a = after_a
+                    if after_a == -cutlass.Float32.inf:
+                        mu_a = 0.0
+                    m = cute.arch.fmax(after_a, tile_max[half])
+                    mu_b = m
+                    if m == -cutlass.Float32.inf:
+                        mu_b = 0.0
+                    if lane % 4 == 0:
+                        sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+                    # the left group's two factors for this pair, computed from the same values
+                    alpha[half] = (cute.math.exp2(row_max[half] - mu_a, fastmath=True)
+                                   * cute.math.exp2(after_a - mu_b, fastmath=True))
+                    m_use[half] = mu_b
+                    row_max[half] = m
+                consumer_sync(Sm90DecodeBarrier.SCALE_B)
+                self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
+                cute.autovec_copy(r_p, tSsP1)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.rescale_o(acc_o, alpha)
+                self.issue_pv(pv_rs_mma, acc_o, r_p, tOrVrs, 1, True)
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
+                self.issue_pv(pv_mma, acc_o, tOrP0, tOrV, 0, False)
+                warpgroup.wait_group(1)  # P_B V_B,right
+                self.release(empty[1][1], i, lane)
+                warpgroup.wait_group(0)  # P_A V_A,right
+                self.release(empty[0][1], i, lane)
+                if i + 1 < n_pairs:
+                    full[1][1].wait_filled(i + 1)
+                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 1, True)
+                    full[1][0].wait_filled(i + 1)
+                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 0, False)
+
+        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
+                          kscale, 1.0, n_splits, b, mblk, w)
+
+    @cute.jit
+    def scaled_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):
+        """Scale S into the log2 domain in place, mask keys past each row's limit (a NaN there becomes -inf
+        too), and return the tile's row maxima (quad-reduced: the 4 threads of a row agree)."""
+        m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            m_loc[half] = -cutlass.Float32.inf
+        for v in cutlass.range_constexpr(cute.size(tScS)):
+            half = (v >> 1) & 1
+            s = acc_s[v] * scale_log2
+            if tile_start + tScS[v][1] >= row_limit[half]:
+                s = -cutlass.Float32.inf
+            acc_s[v] = s
+            m_loc[half] = cute.arch.fmax(m_loc[half], s)
+        for half in cutlass.range_constexpr(2):
+            m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
+        return m_loc
+
+    @cute.jit
+    def exp_and_sum(self, acc_s, r_p, row_sum, alpha, m_use):
+        """P = exp2(S - m) (kept in fp32 in acc_s and as the compute dtype in r_p); l = l alpha + sum P."""
+        for half in cutlass.range_constexpr(2):
+            row_sum[half] = row_sum[half] * alpha[half]
+        for v in cutlass.range_constexpr(cute.size(acc_s)):
+            half = (v >> 1) & 1
+            p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
+            acc_s[v] = p
+            row_sum[half] = row_sum[half] + p
+            r_p[v] = p.to(self.cdtype)
+
+    @cute.jit
+    def rescale_o(self, acc_o, alpha):
+        # once the running maxima settle (most tiles of a long sequence) alpha is exactly 1 for every row of
+        # the warp: skip the 128 multiplies
+        if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
+            for v in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+
+    @cute.jit
+    def zero_tail_v(self, sKV, stage: cutlass.Constexpr, valid, gtid):
+        """The owning group zeroes the V columns of keys >= ``valid`` (0 < valid < 64: the split's last tile
+        ends inside it). TMA loads whole page slices, so those slots hold whatever the block held before, NaN
+        included, and P = 0 times V = NaN is NaN in P V. Before either group's P V of the tile: the owner's
+        fence follows, and the other group reads the tile after the owner's P*_FULL signal."""
+        if valid < BLOCK_N:
+            if valid > 0:
+                chunks = D_NOPE // 8  # 16-byte pieces of a row's V
+                for i in cutlass.range(gtid, (BLOCK_N - valid) * chunks, 128, unroll=1):
+                    row = valid + i // chunks
+                    dst = cute.local_tile(sKV[(row, None, stage)], (8,), (i % chunks,))
+                    dst.store(cute.zeros_like(dst.load()))
+                cute.arch.fence_proxy("async.shared", space="cta")
