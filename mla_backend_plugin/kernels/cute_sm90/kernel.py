@@ -59,6 +59,16 @@ K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
 
+@cute.jit
+def exp_base(m):
+    """What exp2(s - m) subtracts for a running row maximum ``m``: m itself, or 0 while the row has seen no key
+    (m = -inf), which keeps the row's zero state instead of making -inf - -inf = NaN."""
+    base = m
+    if m == -cutlass.Float32.inf:
+        base = 0.0
+    return base
+
+
 class Sm90MlaDecode:
     def __init__(self, variant: Variant, use_pdl: bool = True):
         self.v = variant
@@ -459,9 +469,7 @@ class Sm90MlaDecode:
         m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
             m = cute.arch.fmax(m_loc[half], sMaxX[(1 - grp) * BLOCK_M + tScS[2 * half][0]])
-            mu = m
-            if m == -cutlass.Float32.inf:
-                mu = 0.0  # a row that has seen no key yet: keep its (zero) state
+            mu = exp_base(m)
             m_use[half] = mu
             alpha[half] = cute.math.exp2(row_max[half] - mu, fastmath=True)
             row_max[half] = m

@@ -34,16 +34,21 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mla_backend_plugin.kernels.cute_common.barriers import MbarrierRing, Sm90DecodeBarrier, consumer_sync
 from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
 from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
-from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, Variant
-from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
+from mla_backend_plugin.kernels.cute_sm90.config import (
+    BLOCK_M,
+    BLOCK_N,
+    NUM_THREADS,
+    REGS_CONSUMER,
+    REGS_PRODUCER_TMA,
+    Variant,
+)
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode, exp_base
 
 # the halves of a stage: chunks [0, 4) (V columns 0..255) and [4, 9) (V columns 256..511 and the rope)
 HALF_CHUNKS = ((0, 4), (4, K_CHUNKS))
 # (tile of the pair, half) in the producer's order: A 0-3, B 4-8, A 4-8, B 0-3 (module docstring)
 LOAD_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
 K_STEPS_PER_CHUNK = 4  # 64 columns / k16
-REGS_CONSUMER = 240
-REGS_PRODUCER = 24
 
 
 class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
@@ -174,7 +179,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         n_pairs = (n_tiles + 1) // 2
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER_TMA)
                 if warp_idx == 0:
                     self.produce(tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs)
             else:
@@ -333,9 +338,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 for half in cutlass.range_constexpr(2):
                     m = cute.arch.fmax(row_max[half], m_a[half])
                     m_a[half] = m
-                    m_use[half] = m
-                    if m == -cutlass.Float32.inf:
-                        m_use[half] = 0.0  # a row with no key yet: keep its zero state
+                    m_use[half] = exp_base(m)
                     alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
                     if lane % 4 == 0:
                         sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
@@ -347,10 +350,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 consumer_sync(Sm90DecodeBarrier.SCALE_B)
                 for half in cutlass.range_constexpr(2):
                     m_b = sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]]
-                    mu_b = m_b
-                    if m_b == -cutlass.Float32.inf:
-                        mu_b = 0.0
-                    alpha[half] = cute.math.exp2(m_a[half] - mu_b, fastmath=True)
+                    alpha[half] = cute.math.exp2(m_a[half] - exp_base(m_b), fastmath=True)
                     row_max[half] = m_b
                 p_other = cute.make_rmem_tensor(acc_s.layout, cd)
                 for v in cutlass.range_constexpr(cute.size(acc_s)):
@@ -392,13 +392,9 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
                 for half in cutlass.range_constexpr(2):
                     after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
-                    mu_a = after_a
-                    if after_a == -cutlass.Float32.inf:
-                        mu_a = 0.0
+                    mu_a = exp_base(after_a)
                     m = cute.arch.fmax(after_a, tile_max[half])
-                    mu_b = m
-                    if m == -cutlass.Float32.inf:
-                        mu_b = 0.0
+                    mu_b = exp_base(m)
                     if lane % 4 == 0:
                         sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
                     # the left group's two factors for this pair, computed from the same values
