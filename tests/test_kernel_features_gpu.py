@@ -151,6 +151,24 @@ def test_compute_sanitizer(tool, kernel):
     assert re.search(summary, text), text[-4000:]
 
 
+@pytest.mark.parametrize("schedule", ["seesaw", "lockstep"])
+@pytest.mark.parametrize("bs", [16, 64])
+def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
+    """Both 16-bit schedules of cute_sm90 against the reference: odd and even tile counts per split (the seesaw
+    pairs tiles; an odd count ends with an empty tile B), splits ending inside a page, NaN in every unread slot
+    (make_decode_inputs) and in the outputs before the call."""
+    if kernel != "cute_sm90":
+        pytest.skip("cute_sm90 only")
+    monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", schedule)
+    lens = [1, 64 + 5, 3 * 64, 5 * 64 - 1, 2000]
+    inp = make_decode_inputs(5, lens, 2, 128, bs, torch.bfloat16, "pair", "cuda", 21)
+    ref_out, ref_lse = inp.reference()
+    for num_sms in (1, 132):
+        ws = MLAWorkspace("cuda", max_batch=5, max_q_len=2, num_heads=128, num_sms=num_sms)
+        out, lse = _run(inp, ws)
+        assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=f"{schedule} num_sms={num_sms}")
+
+
 @pytest.mark.parametrize("bs", [16, 32, 64, 128])
 @pytest.mark.parametrize("kv_dtype,q_form", [(torch.bfloat16, "pair"), (FP8_DTYPE, "pair"), (FP8_DTYPE, "fp8")],
                          ids=["bf16", "fp8kv", "fp8q"])
