@@ -248,6 +248,16 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         warpgroup.commit_group()
 
     @cute.jit
+    def issue_qk_tile(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, use,
+                      stage: cutlass.Constexpr, first_half: cutlass.Constexpr):
+        """S over the whole tile of pair ``use`` in ``stage``: each half as soon as it has landed, ``first_half``
+        first (the one its owner frees first)."""
+        for n in cutlass.range_constexpr(2):
+            half = first_half ^ n
+            full[stage][half].wait_filled(use)
+            self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage, half, n == 0)
+
+    @cute.jit
     def issue_pv(self, mma, acc_o, tOrP, tOrV, stage: cutlass.Constexpr, from_registers: cutlass.Constexpr):
         warpgroup.fence()
         for k in cutlass.range_constexpr(BLOCK_N // 16):
@@ -322,10 +332,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
 
         if grp == 0:
             if n_pairs > 0:
-                full[0][0].wait_filled(0)
-                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 0, True)
-                full[0][1].wait_filled(0)
-                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 1, False)
+                self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, 0, 0, 0)
             for i in cutlass.range(n_pairs, unroll=1):
                 tile_start = kv_start + 2 * i * BLOCK_N
                 warpgroup.wait_group(0)  # S_A (and the previous pair's P_B V_B)
@@ -376,10 +383,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                     self.release(empty[1][0], i, lane)
         else:
             if n_pairs > 0:
-                full[1][1].wait_filled(0)
-                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 1, True)
-                full[1][0].wait_filled(0)
-                self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 0, False)
+                self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, 0, 1, 1)
             for i in cutlass.range(n_pairs, unroll=1):
                 tile_start = kv_start + (2 * i + 1) * BLOCK_N
                 warpgroup.wait_group(0)  # S_B (the previous pair's P V were retired at its end)
@@ -415,10 +419,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 warpgroup.wait_group(0)  # P_A V_A,right
                 self.release(empty[0][1], i, lane)
                 if i + 1 < n_pairs:
-                    full[1][1].wait_filled(i + 1)
-                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 1, True)
-                    full[1][0].wait_filled(i + 1)
-                    self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 1, 0, False)
+                    self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, i + 1, 1, 1)
 
         self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
                           kscale, 1.0, n_splits, b, mblk, w)
