@@ -295,10 +295,6 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
     """A 33k-token request in a batch of ~200-token ones (and a padded slot): correct output, and for the
     kernels that run the balanced split plan the split list the kernel wrote for the combine is exactly
     ops/workspace.py balanced_schedule's (the long request split even when the batch fills the GPU)."""
-    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M as CUTE_BLOCK_M
-    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
-    from mla_backend_plugin.ops.workspace import balanced_schedule
-
     bs = 64
     seed = _seed("one-long", batch, q_len, heads, kv_kind)
     lens = draw_seq_lens(batch, 200, block_size=bs, seed=seed)
@@ -307,18 +303,47 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
     fp8 = kv_kind == "fp8"
     inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, "pair", DEVICE, seed,
                              kv_scale=3.0 if fp8 else None)
+    sched, _ = _check_balanced_split_list(inp, lens, q_len, heads)
+    if sched is not None:
+        assert sched.splits[batch // 2] > 1, sched.splits
+
+
+def _check_balanced_split_list(inp, lens, q_len, heads):
+    """Runs ``inp`` on a fresh workspace against the reference; for cute_sm90 also checks that the split list the
+    kernel wrote for the combine is exactly ops/workspace.py balanced_schedule's: returns (schedule, plan)."""
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M as CUTE_BLOCK_M
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
+    from mla_backend_plugin.ops.workspace import balanced_schedule
+
+    batch = len(lens)
     ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads)
     ws.split_index.fill_(-7)
     _check(inp, workspace=ws)
     if KERNEL != "cute_sm90":
-        return  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
+        return None, None  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
     plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=CUTE_BLOCK_M)
     sched = balanced_schedule(lens, CUTE_BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
-    assert sched.splits[batch // 2] > 1, sched.splits
     expected = [len(sched.split_requests)]
     for b in sched.split_requests:
         expected += [b, sched.slot_base[b], sched.splits[b]]
     assert ws.split_index[:len(expected)].tolist() == expected
+    return sched, plan
+
+
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_near_uniform_batch_takes_one_wave(kv_kind):
+    """8 requests of 65 tiles at 128 heads: on an H100 (W = 66) cdiv(T, W) = 8 tiles per item would make 72
+    items for one wave of 66, so the plan's one-wave search takes 9 (64 items); the kernel must derive the same
+    schedule."""
+    batch, q_len, heads, bs = 8, 1, 128, 64
+    seed = _seed("one-wave", kv_kind)
+    lens = [4097 + (37 * i + seed) % 64 for i in range(batch)]  # 65 tiles each, not a multiple of the tile
+    fp8 = kv_kind == "fp8"
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, "pair", DEVICE, seed,
+                             kv_scale=3.0 if fp8 else None)
+    sched, plan = _check_balanced_split_list(inp, lens, q_len, heads)
+    if sched is not None and plan.work_target == 66:  # 132 SMs: the case this test is for
+        assert sched.per_work == 9 and len(sched.items) == 64, sched
 
 
 @pytest.mark.parametrize("q_form,kv_dtype,q_len", [("pair", BF16, 1), ("fp8", FP8, 2)])

@@ -36,6 +36,9 @@ CASES = [
     # B=1 on a pretend GPU the combine's rows do not fill: the combine splits the columns (4 blocks of 128) and
     # merges all its splits (24 of at most 32) in one load round
     (torch.float16, [3000], 1, 16, 16, 64, 32, True, {0: 16}),
+    # a uniform-ish batch whose cdiv(T, W) = 5 tiles per item makes 9 items for the 8 pretend SMs: the one-wave
+    # search takes 6 tiles per item (2 splits each, 6 items)
+    (torch.float16, [700, 700, 690], 1, 16, 64, 8, 16, True, {0: 2}),
     # the uniform plan through the same kernels
     (torch.float16, [1000, 1, 65, 300], 2, 16, 16, 8, 8, False, {}),
 ]

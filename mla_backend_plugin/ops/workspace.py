@@ -150,9 +150,25 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
         tiles_b = max(cdiv(seq_len_b, BLOCK_N), 1)          # a padded request (seq_len 0) counts 1 tile
         T       = sum_b tiles_b
         p       = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(T, W))  # tiles per work item; W = plan.work_target
-        n_b     = min(cdiv(tiles_b, p), NUM_SPLITS)          # NUM_SPLITS = plan.num_splits (the cap)
-        ct_b    = cdiv(tiles_b, n_b);  n_b = cdiv(tiles_b, ct_b)   # equal chunks, no empty last one
-        chunk_b = ct_b * BLOCK_N                              # split s covers [s * chunk_b, min((s+1) chunk_b, len))
+        n_b(p)  = min(cdiv(tiles_b, p), NUM_SPLITS)          # NUM_SPLITS = plan.num_splits (the cap)
+        ct_b(p) = cdiv(tiles_b, n_b(p));  n_b(p) = cdiv(tiles_b, ct_b(p))   # equal chunks, no empty last one
+        I(p)    = sum_b n_b(p)                                # work items (non-increasing in p)
+        if B < W and 2 * min_b tiles_b >= p and B * cdiv(max_b tiles_b, p) > W and I(p) > W:   # one wave
+            lo, hi = p, min(cdiv(T - B, W - B), max_b tiles_b, 3 p // 2)
+            if I(hi) <= W:                                     # then I(lo) > W >= I(hi)
+                while hi - lo > 1:  mid = (lo + hi) // 2;  (hi if I(mid) <= W else lo) = mid
+                p = hi
+        n_b = n_b(p);  chunk_b = ct_b(p) * BLOCK_N             # split s covers [s * chunk_b, min((s+1) chunk_b, len))
+
+    One wave: W items per m-block fill the GPU once, and cdiv(T, W) tiles per item can make up to B - 1 items
+    more (each request's last chunk). When every item is about p tiles (no request under half of p), those
+    extra items are a whole second wave: B=8 x 32k keys on 132 SMs made 72 items of 57 tiles for 66 slots.
+    The smallest p that fits one wave is found by bisection (I(p) <= sum_b cdiv(tiles_b, p) <= (T + B (p - 1)) / p,
+    which is <= W from p = cdiv(T - B, W - B) on, and I(max_b tiles_b) = B < W) and taken unless it is more than
+    1.5 p (8 x 64 tiles, one wave, 0.56x of the modelled step: tests/test_planner_balanced.py); bounding the
+    search by 1.5 p from the start costs a batch whose answer would be refused one pass instead of a bisection.
+    The third condition, an upper bound of I(p) (exact for a uniform batch), spares most batches the pass that
+    counts I(p).
 
     Request b is *split* iff n_b > 1. Work items (the grid's second axis, w = program id 1; the first axis is
     the m-block so both halves of a request run side by side) come in this order: first every item of the
@@ -163,15 +179,31 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     the j-th split request writes ``index[1 + 3 j : 4 + 3 j] = (b, S_b, n_b)`` and the CTA (m_blk 0, w 0)
     writes ``index[0] = J`` (the number of split requests), which is all the combine reads.
     """
-    lens = [int(x) for x in seq_lens]
-    tiles = [max(_cdiv(x, block_n), 1) for x in lens]
-    total = sum(tiles)
-    p = max(_cdiv(min_chunk, block_n), _cdiv(total, work_target))
+    tiles = [max(_cdiv(int(x), block_n), 1) for x in seq_lens]
+    total, batch, w = sum(tiles), len(tiles), work_target
+    p = max(_cdiv(min_chunk, block_n), _cdiv(total, w))
+
+    def request_chunks(t: int, per_work: int) -> tuple[int, int]:  # (n_b, ct_b)
+        ct = _cdiv(t, min(_cdiv(t, per_work), max_splits))
+        return _cdiv(t, ct), ct
+
+    def num_items(per_work: int) -> int:
+        return sum(request_chunks(t, per_work)[0] for t in tiles)
+
+    if batch < w and 2 * min(tiles) >= p and batch * _cdiv(max(tiles), p) > w and num_items(p) > w:
+        lo, hi = p, min(_cdiv(total - batch, w - batch), max(tiles), 3 * p // 2)
+        if num_items(hi) <= w:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if num_items(mid) <= w:
+                    hi = mid
+                else:
+                    lo = mid
+            p = hi
     splits, chunk = [], []
     for t in tiles:
-        n = min(_cdiv(t, p), max_splits)
-        ct = _cdiv(t, n)
-        splits.append(_cdiv(t, ct))
+        n, ct = request_chunks(t, p)
+        splits.append(n)
         chunk.append(ct * block_n)
     slot_base, items, split_requests, ns = [], [], [], 0
     for b, n in enumerate(splits):

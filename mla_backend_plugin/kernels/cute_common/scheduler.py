@@ -53,15 +53,7 @@ class BalancedScheduler:
         global loads are slow while the other SMs stream KV: benchmarks/NOTES.md, cute_sm90 v3)."""
         batch = mSeq.shape[0]
         lane = cute.arch.lane_idx()
-        # pass 1: T = sum_b tiles_b, then p (tiles per work item)
-        lane_total = cutlass.Int32(0)
-        for base in cutlass.range(0, batch, 128, unroll=1):
-            for u in cutlass.range_constexpr(4):
-                b = base + 4 * lane + u
-                if b < batch:
-                    lane_total = lane_total + cutlass.max((mSeq[b] + self.block_n - 1) // self.block_n, 1)
-        total = cute.arch.warp_reduction_sum(lane_total)
-        per_work = cutlass.max((min_chunk + self.block_n - 1) // self.block_n, (total + work_target - 1) // work_target)
+        per_work = self.per_work(mSeq, batch, lane, num_splits, min_chunk, work_target)
 
         # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
         # requests), in order of b; totals NS (slots) and J (split requests)
@@ -107,6 +99,79 @@ class BalancedScheduler:
                 cute.arch.shuffle_sync(hit_j, src), num_split)
 
     @cute.jit
+    def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
+        """p, the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule). The search
+        runs only for a batch of fewer requests than the wave whose items could overflow it; its bisection
+        steps re-read seq_lens from L1."""
+        # T = sum_b tiles_b, the shortest and the longest request's tiles
+        lane_total = cutlass.Int32(0)
+        lane_min = cutlass.Int32(1 << 30)
+        lane_max = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if b < batch:
+                    tiles = cutlass.max((mSeq[b] + self.block_n - 1) // self.block_n, 1)
+                    lane_total = lane_total + tiles
+                    lane_min = cutlass.min(lane_min, tiles)
+                    lane_max = cutlass.max(lane_max, tiles)
+        # warp-uniform hints: the search's branches and loop then stay convergent for ptxas (without them it
+        # fenced the later warp-synchronous instructions: 55 more WARPSYNC/collective ops in fp8 design B)
+        total = cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_total))
+        min_tiles = cute.arch.make_warp_uniform(cute.arch.warp_reduction(lane_min, cutlass.min))
+        max_tiles = cute.arch.make_warp_uniform(cute.arch.warp_reduction_max(lane_max))
+        p = cutlass.max((min_chunk + self.block_n - 1) // self.block_n, (total + work_target - 1) // work_target)
+        if batch < work_target and 2 * min_tiles >= p and batch * ((max_tiles + p - 1) // p) > work_target:
+            # I(p) > W? then I(hi) <= W for hi bounded by 1.5 p? then bisect: a small state machine around one
+            # evaluation of I, so the kernel holds one copy of its code (three inlined copies added ~1600
+            # instructions; benchmarks/NOTES.md, session 10)
+            lo = p
+            hi = cutlass.min((total - batch + work_target - batch - 1) // (work_target - batch), max_tiles)
+            hi = cutlass.min(hi, 3 * p // 2)
+            x = p
+            state = cutlass.Int32(0)  # 0: test p, 1: test hi, 2: bisect, 3: done
+            for _ in cutlass.range(0, 34, unroll=1):  # 2 tests + at most 31 bisection steps over int32
+                if state < 3:
+                    fits = self.num_items(mSeq, batch, lane, x, num_splits) <= work_target
+                    if state == 2:
+                        if fits:
+                            hi = x
+                        else:
+                            lo = x
+                    if state == 1:
+                        state = 3
+                        if fits:
+                            state = 2
+                    if state == 0:
+                        state = 1
+                        if fits:
+                            state = 3
+                        x = hi
+                    if state == 2:
+                        if hi - lo > 1:
+                            x = (lo + hi) // 2
+                        else:
+                            state = 3
+                            p = hi
+        return p
+
+    @cute.jit
+    def num_items(self, mSeq: cute.Tensor, batch, lane, per_work, num_splits):
+        """I(p): the work items of the schedule with p tiles per item (the whole warp gets the sum)."""
+        lane_items = cutlass.Int32(0)
+        for b in cutlass.range(lane, batch, 32, unroll=1):  # batch < W: a few requests per lane, one code copy
+            lane_items = lane_items + self.request_chunks(mSeq[b], per_work, num_splits)[0]
+        return cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_items))
+
+    @cute.jit
+    def request_chunks(self, seq_len, per_work, num_splits):
+        """(n_b, chunk_b in tokens) of one request."""
+        tiles = cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
+        n = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
+        ct = (tiles + n - 1) // n
+        return (tiles + ct - 1) // ct, ct * self.block_n
+
+    @cute.jit
     def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane):
         """Requests base + 4 lane + u (u < 4) of one 128-request step of the balanced plan: their splits n_b
         (0 past the batch) and chunks, the partial slots and split requests before each within the step, and
@@ -126,11 +191,7 @@ class BalancedScheduler:
             n_u = cutlass.Int32(0)
             chunk_u = cutlass.Int32(0)
             if lens[u] >= 0:
-                tiles = cutlass.max((lens[u] + self.block_n - 1) // self.block_n, 1)
-                n_u = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
-                ct = (tiles + n_u - 1) // n_u
-                n_u = (tiles + ct - 1) // ct
-                chunk_u = ct * self.block_n
+                n_u, chunk_u = self.request_chunks(lens[u], per_work, num_splits)
             n[u] = n_u
             chunk[u] = chunk_u
             packed_before[u] = own

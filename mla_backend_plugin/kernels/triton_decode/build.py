@@ -15,6 +15,9 @@ import time
 from mla_backend_plugin.ops.arch import ARCHS
 from mla_backend_plugin.ops.manifest import VariantResult
 
+# the balanced grid with its one-wave search compiled in (batch < WORK), the larger of its two forms
+BALANCED_CONSTEXPRS = {"WORK": 66, "SCAN": 128, "ONE_WAVE": True}
+
 
 def _find_ptxas() -> str:
     """Triton's bundled ptxas (it matches the PTX Triton emits), else the CUDA toolkit's."""
@@ -80,12 +83,12 @@ def triton_variants(cc: int):
             # the balanced work-item grid (the default split plan of the Triton path, ops/workspace.py)
             pointers, constexprs, options = triton_split_spec(cfg, num_heads, q_len, kv_name, 32, cc)
             yield (f"triton_split_balanced h{num_heads} q{q_len} kv={kv_name}", k._mla_decode_split_balanced_kernel,
-                   {**pointers, "split_index_ptr": "*i32"}, {**constexprs, "WORK": 66, "SCAN": 128}, options)
+                   {**pointers, "split_index_ptr": "*i32"}, constexprs | BALANCED_CONSTEXPRS, options)
     # per-row key counts (decode context parallelism with MTP), the default balanced plan
     cfg = config_for(128, smem)
     pointers, constexprs, options = triton_split_spec(cfg, 128, 2, "bf16", 32, cc, row_kv_lens=True)
     yield ("triton_split_balanced h128 q2 kv=bf16 row_kv_lens", k._mla_decode_split_balanced_kernel,
-           {**pointers, "split_index_ptr": "*i32"}, {**constexprs, "WORK": 66, "SCAN": 128}, options)
+           {**pointers, "split_index_ptr": "*i32"}, constexprs | BALANCED_CONSTEXPRS, options)
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     seq_lens_ptr="*i32", kv_scale_ptr="*fp32", kv_scale_val="fp32")
     # griddepcontrol (PDL) exists from SM90 on: the combine waits on it only when launched as a dependent

@@ -31,24 +31,56 @@ _COMPUTE_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _balanced_per_work(seq_lens_ptr, batch, WORK: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SCAN: tl.constexpr):
-    """p = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(T, W)), T = sum_b max(cdiv(seq_len_b, BLOCK_N), 1)."""
+def _balanced_per_work(seq_lens_ptr, batch, WORK: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SCAN: tl.constexpr, ONE_WAVE: tl.constexpr):
+    """p, the tiles per work item of the balanced schedule, with its one-wave search (the formula:
+    ops/workspace.py ``balanced_schedule``). ONE_WAVE (batch < WORK, known on the host) compiles the search in;
+    without it the kernel has none of its code (measured: the unused code alone cost the H100 build up to 8%
+    at B=64, q_len 2, where batch >= WORK; benchmarks/NOTES.md, session 10)."""
     total = 0
+    min_tiles = 1 << 30
+    max_tiles = 0
     for start in range(0, batch, SCAN):
         offs = start + tl.arange(0, SCAN)
         ok = offs < batch
+        tiles = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + offs, mask=ok, other=0), BLOCK_N), 1)
+        total += tl.sum(tl.where(ok, tiles, 0), axis=0)
+        if ONE_WAVE:
+            min_tiles = tl.minimum(min_tiles, tl.min(tl.where(ok, tiles, 1 << 30), axis=0))
+            max_tiles = tl.maximum(max_tiles, tl.max(tl.where(ok, tiles, 0), axis=0))
+    p = tl.maximum(tl.cdiv(MIN_CHUNK, BLOCK_N), tl.cdiv(total, WORK))
+    if ONE_WAVE:
+        # batch < WORK <= SCAN: the whole batch is one SCAN block, so each I(p) is a sum over registers (a pass
+        # over seq_lens per bisection step, a loop inside the loop, made the H100 build spill 1.6x more and
+        # run its bf16 kernel up to 3x slower)
+        offs = tl.arange(0, SCAN)
+        ok = offs < batch
         lens = tl.load(seq_lens_ptr + offs, mask=ok, other=0)
-        total += tl.sum(tl.where(ok, tl.maximum(tl.cdiv(lens, BLOCK_N), 1), 0), axis=0)
-    return tl.maximum(tl.cdiv(MIN_CHUNK, BLOCK_N), tl.cdiv(total, WORK))
+        n, _ = request_splits(lens, NUM_SPLITS, 1, BLOCK_N, True, p)
+        search = (batch <= SCAN) & (2 * min_tiles >= p) & (batch * tl.cdiv(max_tiles, p) > WORK)
+        search = search & (tl.sum(tl.where(ok, n, 0), axis=0) > WORK)
+        # the answer is taken only up to 1.5 p: test there first, bisect only when it fits
+        hi = tl.minimum(tl.minimum(tl.cdiv(total - batch, tl.maximum(WORK - batch, 1)), max_tiles), 3 * p // 2)
+        n, _ = request_splits(lens, NUM_SPLITS, 1, BLOCK_N, True, hi)
+        search = search & (tl.sum(tl.where(ok, n, 0), axis=0) <= WORK)
+        lo = p
+        hi = tl.where(search, hi, p)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            n, _ = request_splits(lens, NUM_SPLITS, 1, BLOCK_N, True, mid)
+            fits = tl.sum(tl.where(ok, n, 0), axis=0) <= WORK
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid)
+        p = hi
+    return p
 
 
 @triton.jit
 def _balanced_item(seq_lens_ptr, batch, w, WORK: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SCAN: tl.constexpr, ONE_WAVE: tl.constexpr):
     """Work item w of the balanced schedule -> (request + 1 or 0 when w is past the end, split, splits of that
     request, its chunk in tokens, its index j among split requests, J = number of split requests)."""
-    p = _balanced_per_work(seq_lens_ptr, batch, WORK, MIN_CHUNK, BLOCK_N, SCAN)
+    p = _balanced_per_work(seq_lens_ptr, batch, WORK, NUM_SPLITS, MIN_CHUNK, BLOCK_N, SCAN, ONE_WAVE)
     # items of split requests first (w = S_b + split), in order of b
     hit_b = 0
     hit_s = 0
@@ -250,7 +282,7 @@ def _mla_decode_split_balanced_kernel(
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    WORK: tl.constexpr, SCAN: tl.constexpr,
+    WORK: tl.constexpr, SCAN: tl.constexpr, ONE_WAVE: tl.constexpr,
     Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_ROW_KV_LENS: tl.constexpr,
 ):
@@ -259,7 +291,7 @@ def _mla_decode_split_balanced_kernel(
     m_blk = tl.program_id(0)
     w = tl.program_id(1)
     b1, split, n_splits, chunk, j, num_split = _balanced_item(seq_lens_ptr, batch, w, WORK, NUM_SPLITS, MIN_CHUNK,
-                                                              BLOCK_N, SCAN)
+                                                              BLOCK_N, SCAN, ONE_WAVE)
     # the combine's list: J, then (b, S_b, n_b) of each split request
     tl.store(split_index_ptr, num_split, mask=(m_blk == 0) & (w == 0))
     is_first = (m_blk == 0) & (split == 0) & (n_splits > 1)
@@ -333,7 +365,8 @@ def launch(args, workspace, config) -> None:
             args.q_nope, args.q_pe, kv, args.block_table, args.seq_lens, row_kv_lens,
             out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index,
             q_scale_ptr, kv_scale_ptr, q_scale_val, kv_scale_val, args.softmax_scale, batch, *strides,
-            WORK=plan.work_target, SCAN=min(1024, max(16, triton.next_power_of_2(batch))), **common,
+            WORK=plan.work_target, SCAN=min(1024, max(16, triton.next_power_of_2(batch))),
+            ONE_WAVE=batch < plan.work_target, **common,
         )
     else:
         _mla_decode_split_kernel[(batch, m_blocks, plan.num_splits)](
