@@ -69,6 +69,20 @@ def exp_base(m):
     return base
 
 
+@cute.jit
+def scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc):
+    """S x the row's scale, in place; keys at or past the row's limit become -inf (a NaN read there too); m_loc
+    (per row half, in and out) takes the maxima of this thread's values. (A branch without the compare for
+    tiles inside every row's limit measured no faster on the H100: benchmarks/NOTES.md, session 10.)"""
+    for v in cutlass.range_constexpr(cute.size(tScS)):
+        half = (v >> 1) & 1
+        s = acc_s[v] * row_scale[half]
+        if tile_start + tScS[v][1] >= row_limit[half]:
+            s = -cutlass.Float32.inf
+        acc_s[v] = s
+        m_loc[half] = cute.arch.fmax(m_loc[half], s)
+
+
 class Sm90MlaDecode:
     def __init__(self, variant: Variant, use_pdl: bool = True):
         self.v = variant
@@ -451,13 +465,7 @@ class Sm90MlaDecode:
         m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
             m_loc[half] = row_max[half]
-        for v in cutlass.range_constexpr(n_s):
-            half = (v >> 1) & 1
-            s = acc_s[v] * row_scale[half]
-            if tile_start + tScS[v][1] >= row_limit[half]:
-                s = -cutlass.Float32.inf
-            acc_s[v] = s
-            m_loc[half] = cute.arch.fmax(m_loc[half], s)
+        scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc)
         for half in cutlass.range_constexpr(2):
             m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
             if lane % 4 == 0:

@@ -42,7 +42,14 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     REGS_PRODUCER_TMA,
     Variant,
 )
-from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode, exp_base
+from mla_backend_plugin.kernels.cute_sm90.kernel import (
+    D_NOPE,
+    D_QK,
+    K_CHUNKS,
+    Sm90MlaDecode,
+    exp_base,
+    scale_mask_max,
+)
 
 # the halves of a stage: chunks [0, 4) (V columns 0..255) and [4, 9) (V columns 256..511 and the rope)
 HALF_CHUNKS = ((0, 4), (4, K_CHUNKS))
@@ -429,15 +436,11 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         """Scale S into the log2 domain in place, mask keys past each row's limit (a NaN there becomes -inf
         too), and return the tile's row maxima (quad-reduced: the 4 threads of a row agree)."""
         m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
             m_loc[half] = -cutlass.Float32.inf
-        for v in cutlass.range_constexpr(cute.size(tScS)):
-            half = (v >> 1) & 1
-            s = acc_s[v] * scale_log2
-            if tile_start + tScS[v][1] >= row_limit[half]:
-                s = -cutlass.Float32.inf
-            acc_s[v] = s
-            m_loc[half] = cute.arch.fmax(m_loc[half], s)
+            row_scale[half] = scale_log2
+        scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc)
         for half in cutlass.range_constexpr(2):
             m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
         return m_loc
