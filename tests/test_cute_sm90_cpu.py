@@ -101,6 +101,23 @@ def test_shared_memory_fits_one_cta_per_sm():
     assert config.m_blocks(128, 4) == 8 and config.m_blocks(16, 3) == 1
 
 
+def test_epilogue_staging_tile_fits_every_design():
+    from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
+
+    for v in serving_variants() + [None]:
+        assert config.epilogue_stage_room(v) >= config.STAGE_BYTES, v
+    assert config.STAGE_ROW * 2 % 16 == 0  # 16-byte aligned rows for the bf16/fp16 stage too
+
+
+def test_refuses_an_output_without_16_byte_aligned_rows():
+    args = _args()
+    wide = torch.zeros(args.out.shape[0], args.out.shape[1], 516, dtype=args.out.dtype)
+    misaligned = dataclasses.replace(args, out=wide[:, :, 2:514])
+    assert host.aligned_rows_reason(args, outputs=True) is None
+    reason = unsupported_reason(misaligned, (9, 0))
+    assert reason is not None and reason.startswith("out needs 16-byte aligned rows")
+
+
 def test_rejects_other_archs_at_build_time():
     from mla_backend_plugin.kernels.cute_sm90.build import compile_variants
 

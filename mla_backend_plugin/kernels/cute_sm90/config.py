@@ -21,6 +21,11 @@ REGS_CONSUMER = 240
 REGS_PRODUCER_TMA = 24
 REGS_CONSUMER_FP8 = 224
 REGS_PRODUCER_FP8 = 56
+# The epilogue stages the 64 x 512 output tile in shared memory (Q's buffer and the KV ring after it, free by
+# then) and writes whole rows with 16-byte stores. Row pitch 512 + 8 elements keeps rows 16-byte aligned and
+# spreads the accumulator layout's 8 rows per warp over all 32 banks.
+STAGE_ROW = 512 + 8
+STAGE_BYTES = BLOCK_M * STAGE_ROW * 4  # fp32 partials, the larger of the two staged dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +82,13 @@ def shared_bytes(variant: Variant | None = None) -> int:
         q_parts = 1 if variant.q_dtype == "fp8" else 2
         return 2048 + BLOCK_M * BLOCK_N + q_parts * BLOCK_M * 576 + KV_STAGES * BLOCK_N * (576 + 512)
     return 2048 + BLOCK_M * BLOCK_N * 2 + BLOCK_M * 576 * 2 + KV_STAGES * BLOCK_N * 576 * 2
+
+
+def epilogue_stage_room(variant: Variant | None = None) -> int:
+    """Bytes from the start of Q's buffer to the end of the CTA's shared memory (Q, then the KV ring(s), in
+    every design's layout): where the epilogue stages its tile."""
+    p_bytes = BLOCK_M * BLOCK_N * (1 if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma else 2)
+    return shared_bytes(variant) - 2048 - p_bytes
 
 
 LOG2E = 1.4426950408889634

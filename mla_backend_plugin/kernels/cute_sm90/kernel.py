@@ -48,6 +48,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     REGS_CONSUMER_FP8,
     REGS_PRODUCER_FP8,
     REGS_PRODUCER_TMA,
+    STAGE_ROW,
     Variant,
 )
 
@@ -55,6 +56,9 @@ D_NOPE = 512
 D_ROPE = 64
 D_QK = D_NOPE + D_ROPE
 K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
+# Q's 64 x 576 tile is 18 16-byte pieces per consumer thread: loaded in rounds of this many
+Q_LOAD_BATCH = 6
+assert BLOCK_M * (D_QK // 8) % (256 * Q_LOAD_BATCH) == 0
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
@@ -233,9 +237,10 @@ class Sm90MlaDecode:
                                          kv_end, n_tiles)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
-                self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT,
-                             mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
-                             sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX,
+                             storage.sQ.data_ptr(), mQn, mQp, mBT, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
+                             mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start,
+                             kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -322,29 +327,33 @@ class Sm90MlaDecode:
         QL = self.v.q_len
         cd = self.cdtype
         rows = self.rows
-        for i in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256, unroll=1):
-            row = i // (D_QK // 8)
-            c8 = i % (D_QK // 8)
-            r = mblk * BLOCK_M + row
-            dst = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
-            if r < rows:
-                tok = b * QL + r // H
-                h = r % H
-                if c8 < D_NOPE // 8:
-                    src = cute.local_tile(mQn[(tok, h, None)], (8,), (c8,))
-                    dst.store(src.load().to(cutlass.Float32).to(cd))
+        # 18 16-byte pieces per thread in 3 rounds of Q_LOAD_BATCH independent loads: a loop of one piece per
+        # iteration (not unrolled) waited one global round trip per piece at the start of every CTA
+        for i0 in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256 * Q_LOAD_BATCH, unroll=1):
+            for k in cutlass.range_constexpr(Q_LOAD_BATCH):
+                i = i0 + 256 * k
+                row = i // (D_QK // 8)
+                c8 = i % (D_QK // 8)
+                r = mblk * BLOCK_M + row
+                dst = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
+                if r < rows:
+                    tok = b * QL + r // H
+                    h = r % H
+                    if c8 < D_NOPE // 8:
+                        src = cute.local_tile(mQn[(tok, h, None)], (8,), (c8,))
+                        dst.store(src.load().to(cutlass.Float32).to(cd))
+                    else:
+                        src = cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,))
+                        dst.store(src.load().to(cutlass.Float32).to(cd))
                 else:
-                    src = cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,))
-                    dst.store(src.load().to(cutlass.Float32).to(cd))
-            else:
-                dst.store(cute.zeros_like(dst.load()))
+                    dst.store(cute.zeros_like(dst.load()))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumer_barrier()
 
     @cute.jit
-    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, mQn, mQp, mBT, mRowKv, mOut,
-                mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
-                seq_len, kv_start, kv_end, n_tiles, ctid):
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, stage_ptr, mQn, mQp, mBT,
+                mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits,
+                b, mblk, w, seq_len, kv_start, kv_end, n_tiles, ctid):
         cd = self.cdtype
         grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
 
@@ -375,7 +384,6 @@ class Sm90MlaDecode:
         # this thread's (row, key) coordinates in the tile, and its elements of P in shared memory
         tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
         tSsP = qk_thr.partition_C(sP[(None, None, 0)])
-        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
 
         # the two rows this thread holds (accumulator values v with (v >> 1) & 1 == half)
         row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -420,8 +428,8 @@ class Sm90MlaDecode:
             kv_pipe.consumer_release(read_state)
             read_state.advance()
 
-        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
-                          kscale, 1.0, n_splits, b, mblk, w)
+        self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
+                          mPartLse, kscale, 1.0, n_splits, b, mblk, w)
 
     @cute.jit
     def row_kv_limit(self, mRowKv, b, r, seq_len, kv_end):
@@ -500,11 +508,17 @@ class Sm90MlaDecode:
         consumer_barrier()  # (C) all of P_j is in shared memory
 
     @cute.jit
-    def store_result(self, acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
-                     kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, w):
-        """Epilogue of both consumer groups (either design): add the other group's half of each row sum, then
+    def store_result(self, acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
+                     mPartLse, kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, w):
+        """Epilogue of both consumer groups (every design): add the other group's half of each row sum, then
         an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its fp32 partial (O / l,
-        log2 LSE) to slot w. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256)."""
+        log2 LSE) to slot w. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256).
+
+        The 64 x 512 tile goes through shared memory at ``stage_ptr`` (Q's buffer and the KV ring after it,
+        free once both groups' wgmmas have retired: they did before the row-sum barrier) and leaves as whole
+        rows of 16-byte stores in a loop. Stored straight from the accumulators, the epilogue was ~3000
+        instructions of unrolled scalar stores run once per CTA, and its instruction fetches (stall "no
+        instruction") were most of a short item's time (benchmarks/NOTES.md, session 11)."""
         lane = ctid % 32
         n_o = cute.size(acc_o)
         # each group summed its own 32 keys of every tile: add the other group's half
@@ -531,22 +545,43 @@ class Sm90MlaDecode:
         rows = self.output.rows
         if n_splits == 1:
             for v in cutlass.range_constexpr(n_o):
-                r = self.output.row(mblk, tOcO[v][0])
+                acc_o[v] = acc_o[v] * (inv[(v >> 1) & 1] * kscale)
+            s_out = self.staged_tile(stage_ptr, self.out_dtype)
+            pv_thr.partition_C(s_out).store(acc_o.load().to(self.out_dtype))
+            consumer_barrier()
+            vec = 16 * 8 // self.out_dtype.width
+            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // vec), 256, unroll=4):
+                row = i // (D_NOPE // vec)
+                r = self.output.row(mblk, row)
                 if r < rows:
                     tok, h = self.output.final_index(b, r)
-                    mOut[(tok, h, tOcO[v][1])] = (acc_o[v] * (inv[(v >> 1) & 1] * kscale)).to(self.out_dtype)
+                    dst = cute.local_tile(mOut[(tok, h, None)], (vec,), (i % (D_NOPE // vec),))
+                    dst.store(cute.local_tile(s_out[(row, None)], (vec,), (i % (D_NOPE // vec),)).load())
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
                         mLse[self.output.final_index(b, r)] = lse2[half] * LN2
         else:
-            for v in cutlass.range_constexpr(n_o):  # slot w of the plan
-                r = self.output.row(mblk, tOcO[v][0])
+            for v in cutlass.range_constexpr(n_o):
+                acc_o[v] = acc_o[v] * inv[(v >> 1) & 1]
+            s_part = self.staged_tile(stage_ptr, cutlass.Float32)
+            pv_thr.partition_C(s_part).store(acc_o.load())
+            consumer_barrier()
+            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // 4), 256, unroll=4):  # slot w of the plan
+                row = i // (D_NOPE // 4)
+                r = self.output.row(mblk, row)
                 if r < rows:
-                    mPartO[(self.output.partial_index(w, r), tOcO[v][1])] = acc_o[v] * inv[(v >> 1) & 1]
+                    dst = cute.local_tile(mPartO[(self.output.partial_index(w, r), None)], (4,), (i % (D_NOPE // 4),))
+                    dst.store(cute.local_tile(s_part[(row, None)], (4,), (i % (D_NOPE // 4),)).load())
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
                         mPartLse[self.output.partial_index(w, r)] = lse2[half]
+
+    @staticmethod
+    def staged_tile(stage_ptr, dtype):
+        """The epilogue's 64 x 512 staging tile in shared memory, rows STAGE_ROW elements apart (config.py)."""
+        return cute.make_tensor(cute.recast_ptr(stage_ptr, dtype=dtype),
+                                cute.make_layout((BLOCK_M, D_NOPE), stride=(STAGE_ROW, 1)))

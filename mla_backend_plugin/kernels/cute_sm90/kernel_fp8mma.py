@@ -217,9 +217,9 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                                tidx, warp_idx)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_B)
-                self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mRowKv, mOut,
-                               mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
-                               n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, storage.sQ.data_ptr(), mQn,
+                               mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
+                               sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -398,7 +398,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         consumer_barrier()
 
     @cute.jit
-    def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, mQn, mQp, mRowKv, mOut, mLse,
+    def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, stage_ptr, mQn, mQp, mRowKv,
+                  mOut, mLse,
                   mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
                   seq_len, kv_start, kv_end, n_tiles, ctid):
         grp = ctid // 128
@@ -422,7 +423,6 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
         tSsP = qk_thr.partition_C(sP[(None, None, 0)])
-        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
         k_steps = cute.size(tSrQ, mode=[2])
         pv_steps = cute.size(tOrP, mode=[2])
 
@@ -463,5 +463,5 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             rings.empty_v.arrive(j)
 
         # O carries the P scale
-        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
-                          kscale, 1.0 / P_SCALE, n_splits, b, mblk, w)
+        self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
+                          mPartLse, kscale, 1.0 / P_SCALE, n_splits, b, mblk, w)

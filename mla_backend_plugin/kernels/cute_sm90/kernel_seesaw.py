@@ -192,9 +192,9 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER)
                 self.consume_seesaw(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0,
-                                    sP1, sMaxA, sMaxB, sSumX, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
-                                    mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len,
-                                    kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+                                    sP1, sMaxA, sMaxB, sSumX, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse,
+                                    mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b,
+                                    mblk, w, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -282,8 +282,9 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
 
     @cute.jit
     def consume_seesaw(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0, sP1,
-                       sMaxA, sMaxB, sSumX, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale,
-                       kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_pairs, ctid, grp):
+                       sMaxA, sMaxB, sSumX, stage_ptr, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
+                       mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end,
+                       n_pairs, ctid, grp):
         """``grp`` (warp-uniform, from make_warp_uniform): 0 = left (tiles A, output columns 0..255), 1 = right
         (tiles B, columns 256..511). ptxas must see the branch on it as uniform, or it serialises every wgmma
         (C7518, "WG.DP in divergent path")."""
@@ -324,7 +325,6 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         tOrVrs = pv_rs_thr.make_fragment_B(pv_rs_thr.partition_B(sV))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
         acc_o.fill(0.0)
-        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, D_NOPE)))
         # this group's P as the A operand of P V: the S accumulator's 32 values in the same order (the C layout
         # of m64n64 and the A layout of four m64k16 steps hold the same (row, key) per value index)
         r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, BLOCK_N // 16), stride=((1, 2, 4), 0, 8)), cd)
@@ -428,8 +428,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 if i + 1 < n_pairs:
                     self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, i + 1, 1, 1)
 
-        self.store_result(acc_o, row_max, row_sum, tScS, tOcO, sSumX, grp, ctid, mOut, mLse, mPartO, mPartLse,
-                          kscale, 1.0, n_splits, b, mblk, w)
+        self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
+                          mPartLse, kscale, 1.0, n_splits, b, mblk, w)
 
     @cute.jit
     def scaled_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):

@@ -39,7 +39,7 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     if cc != (9, 0):
         return f"is built for sm_90a (H100/H200) only, device has compute capability {cc[0]}.{cc[1]}"
-    why = aligned_rows_reason(args)
+    why = aligned_rows_reason(args) or aligned_rows_reason(args, outputs=True)
     if why:
         return why
     missing = dsl_missing()
@@ -117,7 +117,9 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
     # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
     row_kv_lens = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    out = make_fake_tensor(od, (tokens, H, D), (sym(), sym(), 1), assumed_align=4)
+    # 16-byte aligned rows (unsupported_reason checks it): the epilogue writes whole rows with 16-byte stores
+    o_align = 16 // (od.width // 8)
+    out = make_fake_tensor(od, (tokens, H, D), (sym(o_align), sym(o_align), 1), assumed_align=16)
     lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
