@@ -252,6 +252,8 @@ def mla_decode(
         q_scale / kv_scale: dequantisation scales of an fp8 q / fp8 cache (float or 1-element float32 device
             tensor, read on the device, so no host sync). Must be None for 16-bit tensors.
         out / lse: optional preallocated outputs ``[T, H, 512]`` and float32 ``[T, H]``.
+            ``cute_sm90`` writes whole rows of ``out`` with 16-byte stores: it refuses an ``out`` whose rows are
+            not 16-byte aligned (``auto`` then picks another kernel).
         out_dtype: output dtype (bf16/fp16); required when q is fp8 and ``out`` is not given.
         workspace: an ``MLAWorkspace``; required for CUDA-graph capture (a cached one is used otherwise).
         kernel: ``"auto"`` (the autotuner's choice for this GPU and shape when it has one, ops/autotune.py,
