@@ -118,6 +118,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
            "one's softmax under the other's wgmma) or `lockstep` (both on every tile; the v3 kernel, for "
            "comparisons).", kind="choice", choices=("seesaw", "lockstep")),
+    EnvVar("CUTE_MLA_FUSED_COMBINE", True,
+           "cute_sm90: when a split-KV grid fits on the GPU at once (small batches), merge the splits inside "
+           "the split kernel (one launch) instead of a second combine kernel; `0` always launches the "
+           "combine kernel.", kind="bool"),
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),

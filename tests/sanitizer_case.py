@@ -1,7 +1,8 @@
 """A small decode run of one kernel (argv[1]) for compute-sanitizer (memcheck / racecheck); run by
 tests/test_kernel_features_gpu.py.
 
-Covers the split and the unsplit path, bf16 and fp8 KV, a request shorter than q_len and an empty one; checks
+Covers the split (cute_sm90: with the combine fused into the split kernel and separate) and the unsplit path,
+bf16 and fp8 KV, a request shorter than q_len and an empty one; checks
 the results against the reference too, and prints XQA_SANITIZER_OK at the end.
 """
 
@@ -20,7 +21,10 @@ from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
 
 
 def main(kernel: str) -> None:
-    for kv_dtype, num_sms in ((torch.bfloat16, 1), (torch.bfloat16, 132), (FP8_DTYPE, 132)):
+    # cute_sm90 merges the splits of this small grid in the split kernel; the last case launches the combine
+    for kv_dtype, num_sms, fused in ((torch.bfloat16, 1, "1"), (torch.bfloat16, 132, "1"), (FP8_DTYPE, 132, "1"),
+                                     (torch.bfloat16, 132, "0")):
+        os.environ["CUTE_MLA_FUSED_COMBINE"] = fused
         lens = [300, 1, 0]
         inp = make_decode_inputs(3, lens, 2, 16, 16, kv_dtype, "pair", "cuda", 7,
                                  kv_scale=2.0 if kv_dtype == FP8_DTYPE else None)
@@ -31,7 +35,8 @@ def main(kernel: str) -> None:
                    kernel=kernel, **inp.scale_kwargs())
         torch.cuda.synchronize()
         ref_out, ref_lse = inp.reference()
-        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"sanitizer case {kv_dtype} sms={num_sms}")
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype,
+                            msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
     print("SANITIZER_OK")
 
 

@@ -419,3 +419,29 @@ def test_without_the_dsl_a_missing_prebuilt_says_what_to_do(monkeypatch, tmp_pat
     monkeypatch.setenv(aot.CACHE_ENV_VAR, "0")
     assert "cache is off" in unsupported_reason(_args(block_size=16), (9, 0))
     assert "--kernels cute_sm90" in AOT.prebuild_hint("sm_90a")
+
+
+def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
+    """The split kernel merges its own partials only when all of its CTAs fit on the device at once (a request's
+    CTAs wait for each other): small batches; never past the device's SM count, however many SMs the workspace
+    was planned for; off with CUTE_MLA_FUSED_COMBINE=0 or when nothing is split."""
+    from types import SimpleNamespace
+
+    from mla_backend_plugin.ops.workspace import plan_splits
+
+    monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
+    monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)
+
+    def fuses(batch, q_len, heads, num_sms=132):
+        args = SimpleNamespace(q_len=q_len, num_heads=heads, q_nope=SimpleNamespace(device=torch.device("cuda", 0)))
+        return launch.fuses_combine(args, None, plan_splits(batch, q_len, heads, config.BLOCK_M, num_sms,
+                                                            balanced=True))
+
+    assert fuses(1, 1, 128) and fuses(2, 1, 128) and fuses(1, 2, 128) and fuses(1, 4, 64) and fuses(2, 2, 16)
+    assert not fuses(3, 1, 128) and not fuses(2, 2, 128) and not fuses(1, 4, 128) and not fuses(64, 1, 128)
+    assert not fuses(8, 1, 128, num_sms=1000)  # planned for more SMs than the device has
+    assert not fuses(1, 1, 128, num_sms=1)  # one work item per m-block: nothing to combine
+    monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
+    assert not fuses(1, 1, 128)
+    key, nbytes = launch.scratch((9, 0), 1, 1, 128, 132)
+    assert key == launch.COMBINE_SCRATCH and nbytes >= 4 * 132 and launch.scratch((10, 0), 1, 1, 128, 148) is None

@@ -6,7 +6,8 @@ that launches with PDL (cute_sm90, xqa_sm120); each skips where its kernel canno
 * compute-sanitizer memcheck and racecheck on a small case (skipped without compute-sanitizer);
 * xqa_sm120: NaN in KV slots no request may read (the tail of a last page, past a split's end) never reaches
   the output, for every page size (the kernel zeroes the rows past the end after TMA lands them);
-* on SM120/SM121 only: the native sm_120a/sm_121a cubin is the one loaded.
+* on SM120/SM121 only: the native sm_120a/sm_121a cubin is the one loaded;
+* cute_sm90: the combine fused into the split kernel at small batches, eager and under graph replay.
 """
 
 from __future__ import annotations
@@ -167,6 +168,74 @@ def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
         ws = MLAWorkspace("cuda", max_batch=5, max_q_len=2, num_heads=128, num_sms=num_sms)
         out, lse = _run(inp, ws)
         assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=f"{schedule} num_sms={num_sms}")
+
+
+# (batch, q_len, heads, block size, lengths of the first round): grids of at most 128 CTAs (H100 and H200 SXM
+# have 132 SMs)
+FUSED_CASES = [(1, 1, 128, 64, [8000]), (2, 1, 128, 16, [5000, 1]), (2, 2, 16, 32, [3000, 77]),
+               (1, 4, 64, 64, [2049])]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"B{c[0]}q{c[1]}h{c[2]}bs{c[3]}")
+@pytest.mark.parametrize("kv_dtype,q_form", [(torch.bfloat16, "pair"), (FP8_DTYPE, "pair"), (FP8_DTYPE, "fp8")],
+                         ids=["bf16", "fp8kv", "fp8q"])
+def test_cute_sm90_fused_combine(kernel, monkeypatch, case, kv_dtype, q_form):
+    """cute_sm90 merges a small batch's splits inside the split kernel (one launch): against the reference and
+    against the separate combine kernel, eagerly and in a CUDA graph replayed with new lengths (other split
+    counts, unsplit requests, an empty one); the kernel leaves its counters at zero after every launch."""
+    if kernel != "cute_sm90":
+        pytest.skip("cute_sm90 only")
+    from types import SimpleNamespace
+
+    from mla_backend_plugin.kernels.cute_sm90 import launch
+
+    batch, q_len, heads, bs, lens = case
+    width = 8192 // bs
+    ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=heads)
+    counters = ws.scratch_for(launch.COMBINE_SCRATCH).view(torch.int32)
+    plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=64)
+    probe = SimpleNamespace(q_len=q_len, num_heads=heads, q_nope=SimpleNamespace(device=torch.device("cuda", 0)))
+    if not launch.fuses_combine(probe, ws, plan):
+        pytest.skip(f"the grid does not fit on this device's {ws.num_sms} SMs at once ({plan})")
+    kv_scale = 2.5 if kv_dtype == FP8_DTYPE else None
+
+    def fresh(lens, seed):
+        return make_decode_inputs(batch, lens, q_len, heads, bs, kv_dtype, q_form, "cuda", seed, kv_scale=kv_scale,
+                                  num_blocks=batch * width + 3, max_blocks=width)
+
+    inp = fresh(lens, 31)
+    ref_out, ref_lse = inp.reference()
+    fused = _run(inp, ws, as_tensor=True)
+    assert_close_decode(*fused, ref_out, ref_lse, kv_dtype, msg="fused")
+    assert not counters.any()
+    monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
+    separate = _run(inp, ws, as_tensor=True)
+    assert_close_decode(*separate, ref_out, ref_lse, kv_dtype, msg="separate combine")
+    monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE")
+    torch.testing.assert_close(fused[0].float(), separate[0].float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(fused[1], separate[1], atol=1e-4, rtol=1e-4)
+
+    out, lse = inp.poisoned_outputs()
+    scales = inp.scale_kwargs(True)  # device tensors made before capture
+    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                                               workspace=ws, kernel=KERNEL, **scales), warmup=1)
+    rounds = [draw_seq_lens(batch, 8192, block_size=bs, seed=40, max_len=width * bs), [width * bs] * batch,
+              ([0, 700] * batch)[:batch], [q_len + 1] * batch]
+    for i, new_lens in enumerate(rounds):
+        new = fresh(new_lens, 50 + i)
+        for dst, src in zip(inp.q if isinstance(inp.q, tuple) else (inp.q,),
+                            new.q if isinstance(new.q, tuple) else (new.q,)):
+            dst.copy_(src)
+        inp.kv_cache.copy_(new.kv_cache)
+        inp.block_table.copy_(new.block_table)
+        inp.seq_lens.copy_(new.seq_lens)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = new.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
+        assert not counters.any(), counters.nonzero()
 
 
 @pytest.mark.parametrize("bs", [16, 32, 64, 128])

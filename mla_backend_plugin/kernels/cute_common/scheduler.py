@@ -24,7 +24,8 @@ class BalancedScheduler:
     def plan_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits, min_chunk,
                   work_target):
         """This CTA's work item: (request + 1, or 0 past the schedule's end; request b; its seq_len; its splits;
-        the item's KV range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
+        the partial slot of its split 0 (= w - split: a split request's slots are consecutive); the item's KV
+        range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
         (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
         b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
         if tidx == 0 and mblk == 0:
@@ -39,7 +40,7 @@ class BalancedScheduler:
         kv_start = split * chunk
         kv_end = cutlass.min(kv_start + chunk, seq_len)
         n_tiles = cutlass.max(kv_end - kv_start + self.block_n - 1, 0) // self.block_n
-        return b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles
+        return b1, b, seq_len, n_splits, w - split, kv_start, kv_end, n_tiles
 
     @cute.jit
     def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):

@@ -285,7 +285,7 @@ class Sm100MlaDecode:
         tidx, _, _ = cute.arch.thread_idx()
         bx, w, _ = cute.arch.block_idx()
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # 0: leader, 1: peer
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+        b1, b, seq_len, n_splits, _, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
             mSeq, mSplitIndex, w, bx, tidx, num_splits, min_chunk, work_target)
         return WorkItem(b1=b1, b=b, seq_len=seq_len, n_splits=n_splits, kv_start=kv_start, kv_end=kv_end,
                         n_tiles=n_tiles, w=w, mblk=bx // CLUSTER, rank=rank)

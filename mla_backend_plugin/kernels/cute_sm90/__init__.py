@@ -24,5 +24,6 @@ MANIFEST = KernelManifest(
     combine="shared",  # balanced layout (kernels/combine)
     compile_variants=lazy(f"{_HERE}.build", "compile_variants"),
     prebuild=lazy(f"{_HERE}.launch", "prebuild"),
+    scratch=lazy(f"{_HERE}.launch", "scratch"),  # the fused combine's counters
     supports_row_kv_lens=True,
 )

@@ -21,8 +21,10 @@ correctly with new lengths, and one long request among short ones is split even 
 Softmax runs in the log2 domain with the q/kv dequantisation scales folded into the logit scale; out is
 multiplied by kv_scale. An unsplit item writes out (bf16/fp16) and the natural-log LSE; a split item writes
 fp32 partials (normalised O, log2 LSE) to its slot of the workspace, and the balanced combine kernel
-(kernels/triton_decode) merges them using the split list this kernel writes. PDL: griddepcontrol.wait
-before the first global read, launch_dependents after the last store.
+(kernels/combine) merges them using the split list this kernel writes; when the whole grid fits on the GPU
+at once (small batches), the split CTAs of a request merge them themselves at the end (cute_common/epilogue.py
+``fused_combine``) and no combine kernel runs. PDL: griddepcontrol.wait before the first global read,
+launch_dependents after the last store.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mla_backend_plugin.kernels.cute_common.barriers import consumer_barrier
 from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
-from mla_backend_plugin.kernels.cute_common.epilogue import LN2, OutputStore, load_scales
+from mla_backend_plugin.kernels.cute_common.epilogue import LN2, OutputStore, fused_combine, load_scales
 from mla_backend_plugin.kernels.cute_common.scheduler import BalancedScheduler
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
@@ -113,7 +115,8 @@ class Sm90MlaDecode:
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
                  num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
-                 grid_items: cutlass.Int32, stream: cuda.CUstream):
+                 grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
+                 stream: cuda.CUstream):
         cd = self.cdtype
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
@@ -166,7 +169,8 @@ class Sm90MlaDecode:
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel(qk_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mRowKv, mOut, mLse,
                     mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
-                    min_chunk, work_target, q_layout, kv_layout, p_layout, v_layout_one.inner, v_outer).launch(
+                    min_chunk, work_target, mCombineCtr, fuse_combine, q_layout, kv_layout, p_layout,
+                    v_layout_one.inner, v_outer).launch(
             # grid (m-blocks, work items of the balanced plan): the m-blocks of one work item are adjacent in
             # launch order, so they run at the same time and all but the first read the item's KV from L2
             # (at 128 heads 2 m-blocks, 4 with q_len 2: half / a quarter of the HBM traffic of an item-major
@@ -185,7 +189,8 @@ class Sm90MlaDecode:
                mKVScale: cute.Tensor,
                q_scale: cutlass.Float32, kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32,
                mSplitIndex: cute.Tensor, num_splits: cutlass.Int32, min_chunk: cutlass.Int32,
-               work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
+               work_target: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
+               q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         mblk, w, _ = cute.arch.block_idx()
@@ -224,7 +229,7 @@ class Sm90MlaDecode:
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
             mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
@@ -241,6 +246,10 @@ class Sm90MlaDecode:
                              storage.sQ.data_ptr(), mQn, mQp, mBT, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
                              mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start,
                              kv_end, n_tiles, tidx - 128)
+                if fuse_combine != 0 and n_splits > 1:
+                    self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
+                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
+        # after the fused combine's wait: a dependent launched earlier could hold the SMs our CTAs still need
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -579,6 +588,16 @@ class Sm90MlaDecode:
                     r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
                         mPartLse[self.output.partial_index(w, r)] = lse2[half]
+
+    @cute.jit
+    def combine_in_kernel(self, mCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale, kv_scale, b, mblk,
+                          slot0, n_splits, ctid, smem_ptr):
+        """The fused combine (cute_common/epilogue.py ``fused_combine``) by the 256 consumer threads, in the
+        shared memory at Q's buffer (free since the epilogue's staging tile has been stored)."""
+        _, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                mKVScale)
+        fused_combine(self.output, mCtr, mPartO, mPartLse, mOut, mLse, kscale, b, mblk, slot0, n_splits, ctid,
+                      smem_ptr, consumer_barrier, 256)
 
     @staticmethod
     def staged_tile(stage_ptr, dtype):

@@ -113,7 +113,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
                  num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
-                 grid_items: cutlass.Int32, stream: cuda.CUstream):
+                 grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
+                 stream: cuda.CUstream):
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         # S = Q K^T: group 1 keys 0..31 of the tile, group 2 keys 32..63 (m64n32k32 e4m3 x e4m3)
         qk_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 2, 1),
@@ -159,7 +160,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel_b(qk_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq, mRowKv, mOut, mLse, mPartO,
                       mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mSplitIndex, num_splits,
-                      min_chunk, work_target, q_layout, k_layout, vt_layout, p_layout).launch(
+                      min_chunk, work_target, mCombineCtr, fuse_combine, q_layout, k_layout, vt_layout,
+                      p_layout).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
 
@@ -173,7 +175,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                  mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                  mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
                  sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
-                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
+                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, mCombineCtr: cute.Tensor,
+                 fuse_combine: cutlass.Int32, q_layout: cute.ComposedLayout,
                  k_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
                  p_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -208,7 +211,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
             mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
@@ -220,6 +223,9 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                 self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, storage.sQ.data_ptr(), mQn,
                                mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
                                sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                if fuse_combine != 0 and n_splits > 1:
+                    self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
+                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -76,7 +76,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
                  num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
-                 grid_items: cutlass.Int32, stream: cuda.CUstream):
+                 grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
+                 stream: cuda.CUstream):
         cd = self.cdtype
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
@@ -129,7 +130,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq,
                     mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
-                    mSplitIndex, num_splits, min_chunk, work_target, q_layout, kv_layout, p_layout,
+                    mSplitIndex, num_splits, min_chunk, work_target, mCombineCtr, fuse_combine, q_layout, kv_layout,
+                    p_layout,
                     v_layout_one.inner, v_outer).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.use_pdl)
@@ -144,7 +146,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
                sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
-               min_chunk: cutlass.Int32, work_target: cutlass.Int32, q_layout: cute.ComposedLayout,
+               min_chunk: cutlass.Int32, work_target: cutlass.Int32, mCombineCtr: cute.Tensor,
+               fuse_combine: cutlass.Int32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         mblk, w, _ = cute.arch.block_idx()
@@ -181,7 +184,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
             mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         n_pairs = (n_tiles + 1) // 2
         if b1 > 0:  # else: past the end of the schedule
@@ -195,6 +198,9 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                                     sP1, sMaxA, sMaxB, sSumX, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse,
                                     mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b,
                                     mblk, w, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+                if fuse_combine != 0 and n_splits > 1:
+                    self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
+                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -126,11 +126,12 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    combine_counters = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     op = kernel_class(variant, use_pdl=use_pdl)
     return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, row_kv_lens, out, lse, part_o, part_lse, q_scale_t,
                         kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
-                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
-                        make_fake_stream(), options=compile_options(arch, keep_dir))
+                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), combine_counters,
+                        cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, keep_dir))
 
 
 def prebuild(args, config: LaunchConfig, cc) -> bool:
@@ -148,6 +149,31 @@ def _compiled(variant: Variant, use_pdl: bool):
         lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=3))
 
 
+# The fused combine's counters (one int32 per (request, m-block) of a grid that fits on the GPU at once): a
+# zero-initialised scratch buffer of the workspace, reset by the kernel after each use.
+COMBINE_SCRATCH = "cute_sm90_combine_counters"
+COMBINE_COUNTERS = 1024  # more than any GPU's SM count
+
+
+def scratch(cc, max_batch: int, max_q_len: int, num_heads: int, num_sms: int) -> tuple[str, int] | None:
+    return (COMBINE_SCRATCH, 4 * COMBINE_COUNTERS) if cc == (9, 0) else None
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fuses_combine(args, workspace, plan) -> bool:
+    """Whether the split kernel merges its partials itself (cute_common/epilogue.py ``fused_combine``) instead
+    of a second launch: only when the grid (m-blocks x work items) fits on the device's SMs at one CTA each,
+    since a request's CTAs wait for each other there; with CUTE_MLA_FUSED_COMBINE on (the default)."""
+    if not (plan.has_combine and envs.CUTE_MLA_FUSED_COMBINE):
+        return False
+    ctas = -(-(args.q_len * args.num_heads) // BLOCK_M) * plan.grid_items
+    return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
+
+
 def launch(args, workspace, config: LaunchConfig) -> None:
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
@@ -160,11 +186,13 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
+    fused = fuses_combine(args, workspace, plan)
+    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32)
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
-       plan.work_target, plan.grid_items, stream)
-    if plan.has_combine:
+       plan.work_target, plan.grid_items, counters, int(fused), stream)
+    if plan.has_combine and not fused:
         # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
         # cost B=1 q_len 2 more than it saved anywhere (benchmarks/NOTES.md, cute_sm90 v3)
         launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False)
