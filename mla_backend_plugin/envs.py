@@ -110,10 +110,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_PDL", True,
            "Programmatic dependent launch (SM90+): `0` launches every kernel without it. Default of "
            "`mla_decode(enable_pdl=None)`.", kind="bool"),
-    EnvVar("CUTE_MLA_FP8_DESIGN", "fp8mma",
-           "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma, q as e4m3 hi + lo) or `dequant` (widen the "
-           "cache to 16 bits; more accurate). Default of `mla_decode(fp8_design=None)`.",
-           kind="choice", choices=("fp8mma", "dequant")),
+    EnvVar("CUTE_MLA_FP8_DESIGN", "auto",
+           "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma, q as e4m3 hi + lo), `dequant` (widen the "
+           "cache to 16 bits; more accurate, and faster at batch 1-2 where each CTA has few tiles) or `auto` "
+           "(`dequant` up to batch 2, `fp8mma` above). Default of `mla_decode(fp8_design=None)`.",
+           kind="choice", choices=("auto", "fp8mma", "dequant")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
            "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
            "one's softmax under the other's wgmma) or `lockstep` (both on every tile; the v3 kernel, for "

@@ -27,10 +27,10 @@ from mla_backend_plugin.ops.constants import FP8_DTYPE
 HAS_DSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
 
 
-def _args(kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, heads=128, q_len=2, block_size=32, kv_scale=None):
-    q = torch.zeros(2 * q_len, heads, 576, dtype=q_dtype)
+def _args(kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, heads=128, q_len=2, block_size=32, kv_scale=None, batch=2):
+    q = torch.zeros(batch * q_len, heads, 576, dtype=q_dtype)
     kv = torch.zeros(4, block_size, 576, dtype=kv_dtype)
-    return prepare_args(q, kv, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+    return prepare_args(q, kv, torch.zeros(batch, 2, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
                         softmax_scale=0.1, kv_scale=kv_scale,
                         out_dtype=torch.bfloat16 if q_dtype == FP8_DTYPE else None,
                         q_scale=2.0 if q_dtype == FP8_DTYPE else None)
@@ -49,12 +49,27 @@ def variant_for(args, **config):
 
 def test_variant_key_covers_what_changes_the_binary():
     v = variant_for(_args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, heads=16, q_len=3, block_size=16,
-                          kv_scale=torch.tensor(3.0)))
+                          kv_scale=torch.tensor(3.0), batch=4))
     assert (v.kv_dtype, v.q_dtype, v.out_dtype, v.num_heads, v.q_len, v.block_size) == ("fp8", "fp8", "bf16", 16, 3, 16)
     assert v.kv_scale_is_ptr and not v.q_scale_is_ptr and v.compute_dtype == "bf16" and v.fp8_mma
     assert variant_for(_args()) != v and "h16 q3 bs16" in v.name
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
     assert not variant_for(fp8, fp8_design="dequant").fp8_mma and variant_for(fp8, fp8_design="fp8mma").fp8_mma
+
+
+def test_fp8_design_by_batch_unless_named(monkeypatch):
+    """CUTE_MLA_FP8_DESIGN=auto (the default): design A (dequant) up to batch FP8_DEQUANT_MAX_BATCH, design B
+    above; a named design always wins."""
+    monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
+    small, large = (_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=b) for b in (launch.FP8_DEQUANT_MAX_BATCH,
+                                                                               launch.FP8_DEQUANT_MAX_BATCH + 1))
+    assert not variant_for(small).fp8_mma and variant_for(large).fp8_mma
+    assert launch.default_config(small, (9, 0)).fp8_design == "dequant"
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fp8mma")
+    assert variant_for(small).fp8_mma
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
+    assert not variant_for(large).fp8_mma
+    assert launch.default_config(_args(), (9, 0)).fp8_design is None  # 16-bit cache
 
 
 def test_schedule_follows_the_environment_for_16_bit_caches(monkeypatch):
@@ -79,7 +94,7 @@ def test_schedule_follows_the_environment_for_16_bit_caches(monkeypatch):
 
 def test_launch_configs(monkeypatch):
     """The default follows the environment; the candidates a tuner sees cover both fp8 designs and PDL."""
-    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
+    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=8)
     monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
     monkeypatch.delenv("CUTE_MLA_PDL", raising=False)
     assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="fp8mma", enable_pdl=True)
@@ -92,7 +107,7 @@ def test_launch_configs(monkeypatch):
     assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
         True, False} and all(c.balanced for c in candidates)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
-    with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are fp8mma, dequant"):
+    with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant"):
         launch.default_config(fp8, (9, 0))
 
 

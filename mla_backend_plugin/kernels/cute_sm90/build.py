@@ -32,14 +32,15 @@ def serving_variants() -> list[Variant]:
     out += [Variant("fp8", "bf16", "bf16", 128, 2, bs, False, True, fp8_mma=True) for bs in (16, 128)]
     out += [Variant("fp16", "fp16", "fp16", 128, 1, 64, False, False),
             Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True)]
-    # design A of the fp8 path (CUTE_MLA_FP8_DESIGN=dequant) at the main shapes
-    out += [Variant("fp8", "bf16", "bf16", 128, q, 64, False, True, fp8_mma=False) for q in (1, 2)]
+    # design A of the fp8 path, the default at batch 1-2 (launch.fp8_design_for): every head count and q_len
+    out += [Variant("fp8", "bf16", "bf16", h, q, 64, False, True, fp8_mma=False)
+            for h, q in itertools.product((16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
     # the lock-step schedule of 16-bit caches (CUTE_MLA_SM90_SCHEDULE=lockstep) at the main shapes
     out += [Variant("bf16", "bf16", "bf16", 128, q, 64, False, False, schedule="lockstep") for q in (1, 2)]
     # decode context parallelism with MTP (per-row key counts), 128 heads per kernel call (e.g. TP8 x DCP8)
-    out += [Variant(kv, "bf16", "bf16", 128, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8", row_kv_lens=True)
-            for kv, q in itertools.product(("bf16", "fp8"), (2, 4))]
+    out += [Variant(kv, "bf16", "bf16", 128, q, 64, False, kv == "fp8", fp8_mma=mma, row_kv_lens=True)
+            for (kv, mma), q in itertools.product((("bf16", False), ("fp8", True), ("fp8", False)), (2, 4))]
     return out
 
 
