@@ -449,7 +449,7 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
 
     def fuses(batch, q_len, heads, num_sms=132):
         args = SimpleNamespace(q_len=q_len, num_heads=heads, q_nope=SimpleNamespace(device=torch.device("cuda", 0)))
-        return launch.fuses_combine(args, None, plan_splits(batch, q_len, heads, config.BLOCK_M, num_sms,
+        return launch.fuses_combine(args, plan_splits(batch, q_len, heads, config.BLOCK_M, num_sms,
                                                             balanced=True))
 
     assert fuses(1, 1, 128) and fuses(2, 1, 128) and fuses(1, 2, 128) and fuses(1, 4, 64) and fuses(2, 2, 16)

@@ -28,9 +28,10 @@ def dsl_missing() -> str | None:
 
 def aligned_rows_reason(args, outputs: bool = False) -> str | None:
     """TMA descriptors and 16-byte vector loads need 16-byte aligned rows of q and the cache; with ``outputs``,
-    16-byte vector stores need them of ``out`` (a kernel that writes whole output rows that way asks)."""
-    tensors = (("out", args.out),) if outputs else (
-        ("kv_cache", args.kv_cache), ("q_nope", args.q_nope), ("q_pe", args.q_pe))
+    also of ``out`` (a kernel whose epilogue writes whole output rows with 16-byte stores asks)."""
+    tensors = [("kv_cache", args.kv_cache), ("q_nope", args.q_nope), ("q_pe", args.q_pe)]
+    if outputs:
+        tensors.append(("out", args.out))
     for name, t in tensors:
         if t.data_ptr() % 16 or any(s % (16 // t.element_size()) for s in t.stride()[:-1]):
             return f"{name} needs 16-byte aligned rows (strides {t.stride()}, {t.element_size()}-byte elements)"

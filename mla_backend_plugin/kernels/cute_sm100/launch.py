@@ -40,7 +40,7 @@ def unsupported_reason(args, cc) -> str | None:
     if arch is None:
         return (f"is built for sm_100a / sm_103a (B200, GB200, B300, GB300) only, device has compute capability "
                 f"{cc[0]}.{cc[1]}")
-    why = aligned_rows_reason(args) or out_rows_reason(args.out)
+    why = aligned_rows_reason(args, outputs=True)
     if why:
         return why
     missing = dsl_missing()
@@ -49,13 +49,6 @@ def unsupported_reason(args, cc) -> str | None:
         why = AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, arch)
         if why:
             return f"{missing} and no prebuilt library can be used: {why}; {AOT.prebuild_hint(arch)}"
-    return None
-
-
-def out_rows_reason(out) -> str | None:
-    """The epilogue writes 16-byte vectors: out needs 16-byte aligned rows."""
-    if out.data_ptr() % 16 or any(s % (16 // out.element_size()) for s in out.stride()[:-1]):
-        return f"out needs 16-byte aligned rows (strides {out.stride()}, {out.element_size()}-byte elements)"
     return None
 
 

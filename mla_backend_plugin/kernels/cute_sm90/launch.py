@@ -26,7 +26,7 @@ from mla_backend_plugin.kernels.cute_common.host import (
     scale_launch_args,
 )
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
-from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, Variant, softmax_scale_log2
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, Variant, m_blocks, softmax_scale_log2
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
 
@@ -39,7 +39,7 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     if cc != (9, 0):
         return f"is built for sm_90a (H100/H200) only, device has compute capability {cc[0]}.{cc[1]}"
-    why = aligned_rows_reason(args) or aligned_rows_reason(args, outputs=True)
+    why = aligned_rows_reason(args, outputs=True)
     if why:
         return why
     missing = dsl_missing()
@@ -178,13 +178,13 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fuses_combine(args, workspace, plan) -> bool:
+def fuses_combine(args, plan) -> bool:
     """Whether the split kernel merges its partials itself (cute_common/epilogue.py ``fused_combine``) instead
     of a second launch: only when the grid (m-blocks x work items) fits on the device's SMs at one CTA each,
     since a request's CTAs wait for each other there; with CUTE_MLA_FUSED_COMBINE on (the default)."""
     if not (plan.has_combine and envs.CUTE_MLA_FUSED_COMBINE):
         return False
-    ctas = -(-(args.q_len * args.num_heads) // BLOCK_M) * plan.grid_items
+    ctas = m_blocks(args.num_heads, args.q_len) * plan.grid_items
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
 
 
@@ -200,8 +200,9 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
-    fused = fuses_combine(args, workspace, plan)
-    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32)
+    fused = fuses_combine(args, plan)
+    # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
+    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
