@@ -460,3 +460,34 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
     assert not fuses(1, 1, 128)
     key, nbytes = launch.scratch((9, 0), 1, 1, 128, 132)
     assert key == launch.COMBINE_SCRATCH and nbytes >= 4 * 132 and launch.scratch((10, 0), 1, 1, 128, 148) is None
+
+
+def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkeypatch):
+    """The host half of the fused combine: the split kernel is told to fuse (flag 1, the workspace's counters)
+    exactly when no combine kernel follows, and told not to (flag 0) whenever one does: a launch that did both or
+    neither would merge twice or leave the output unwritten. The compiled kernel and the combine are stand-ins."""
+    from mla_backend_plugin.kernels.combine import kernel as combine
+    from mla_backend_plugin.ops import MLAWorkspace
+
+    seen = []
+    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl: lambda *a: seen.append(("split", a[-3], a[-2])))
+    monkeypatch.setattr(launch, "current_cu_stream", lambda device: None)
+    monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
+    monkeypatch.setattr(combine, "launch_combine", lambda *a, **k: seen.append(("combine",)))
+    monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)
+    ws = MLAWorkspace("cpu", max_batch=8, max_q_len=1, num_heads=128, num_sms=132, rows_per_cta=config.BLOCK_M)
+    ws.scratch[launch.COMBINE_SCRATCH] = torch.zeros(4 * launch.COMBINE_COUNTERS, dtype=torch.uint8)
+    counters = ws.scratch[launch.COMBINE_SCRATCH]
+
+    def run(batch):
+        seen.clear()
+        launch.launch(_args(q_len=1, batch=batch), ws, launch.default_config(_args(), (9, 0)))
+        return list(seen)
+
+    (split,) = run(1)  # one launch, no combine
+    assert split[2] == 1 and split[1].dtype == torch.int32 and split[1].data_ptr() == counters.data_ptr()
+    split, after = run(8)  # 146 CTAs > 132 SMs: the combine kernel follows
+    assert split[2] == 0 and after == ("combine",)
+    monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
+    split, after = run(1)
+    assert split[2] == 0 and after == ("combine",)
