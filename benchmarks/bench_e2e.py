@@ -300,6 +300,7 @@ START_PHASES = {
     "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s",
     "cute_compile_in_process_s": r"compiled [^\n]+? \(pdl \w+, \w+\) in this process in ([0-9.]+) s",
+    "cute_load_packaged_s": r"loaded [^\n]+? \(pdl \w+, \w+\) from the package in ([0-9.]+) s",
     "cute_background_build_s": r"built in the background in ([0-9.]+) s",
     "cute_first_use_wait_s": r"built in the background in [0-9.]+ s \(first use waited ([0-9.]+) s\)",
 }
@@ -315,6 +316,13 @@ def start_phases(log: str) -> dict[str, float]:
     return found
 
 
+def packaged_kernels() -> bool:
+    """Whether the installed package ships prebuilt CuTe-DSL kernels (kernels/prebuilt holds entries)."""
+    from mla_backend_plugin.kernels.cute_common.aot import PACKAGED_ROOT
+
+    return os.path.isdir(PACKAGED_ROOT) and any(os.scandir(PACKAGED_ROOT))
+
+
 def start_times(args, out_dir: Path) -> list[dict]:
     """Engine start (LLM construction to ready) per backend: cold (empty package, vLLM and Triton caches) then
     warm (the same caches again). Each row is appended to ``rows.jsonl`` as soon as it is measured: a run cut off
@@ -326,10 +334,13 @@ def start_times(args, out_dir: Path) -> list[dict]:
     # one small cell
     small = argparse.Namespace(**{**vars(args), "batches": [1], "contexts": [1024], "repeats": 1,
                                   "max_num_seqs": args.max_num_seqs or max(args.batches)})
+    # CUTE_MLA's cold start twice: as configured, and then, where the package ships prebuilt kernels (a wheel
+    # built after `compile --into-package`), as a source install starts (it compiles them), else with the
+    # background prebuild on
+    second_cold = (("cold, CUTE_MLA_PACKAGED_KERNELS=0", {"CUTE_MLA_PACKAGED_KERNELS": "0"}) if packaged_kernels()
+                   else ("cold, CUTE_MLA_PREBUILD=1", {"CUTE_MLA_PREBUILD": "1"}))
     for backend in args.backends:
-        # CUTE_MLA's cold start twice: as configured (the background prebuild off by default) and with it on
-        starts = [("cold", {}), ("warm", {})] + ([("cold, CUTE_MLA_PREBUILD=1", {"CUTE_MLA_PREBUILD": "1"})]
-                                                  if backend.startswith("CUTE_MLA") else [])
+        starts = [("cold", {}), ("warm", {})] + ([second_cold] if backend.startswith("CUTE_MLA") else [])
         with tempfile.TemporaryDirectory() as cache:
             for label, extra in starts:
                 if label.startswith("cold") and label != "cold":  # empty caches again

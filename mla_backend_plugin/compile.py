@@ -2,6 +2,7 @@
 
     python -m mla_backend_plugin.compile --arch sm_90a
     python -m mla_backend_plugin.compile --arch sm_120a --kernels triton
+    python -m mla_backend_plugin.compile --arch sm_90a --kernels cute_sm90 --into-package   # then build the wheel
 
 Builds every kernel family whose manifest (``kernels/<family>/__init__.py``) lists the arch, through the
 family's own ``compile_variants``, which also runs its SASS checks (matrix instructions, TMA, spills). Prints
@@ -37,7 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-dir", metavar="DIR", help="export the CuTe-DSL variants as prebuilt TVM-FFI "
                         "libraries into DIR (a relocatable cache: copy it to a GPU host and point "
                         "CUTE_MLA_CUTE_CACHE at it; it needs no nvidia-cutlass-dsl there)")
+    parser.add_argument("--into-package", action="store_true", help="export them into the package itself "
+                        "(mla_backend_plugin/kernels/prebuilt, shipped by a wheel built afterwards: an engine "
+                        "then loads them instead of compiling at its first start)")
     args = parser.parse_args(argv)
+    if args.into_package:
+        if args.export_dir:
+            parser.error("--into-package and --export-dir name two destinations; give one")
+        from mla_backend_plugin.kernels.cute_common.aot import PACKAGED_ROOT
+
+        args.export_dir = PACKAGED_ROOT
     if args.export_dir:  # read by kernels/cute_common/aot.py, here and in the build's worker processes
         os.environ[envs.VARIABLES["CUTE_MLA_CUTE_CACHE"].name] = os.path.abspath(args.export_dir)
     selected = list(fams) if args.kernels == "all" else args.kernels.split(",")

@@ -136,6 +136,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "On-disk cache of compiled CuTe-DSL kernels (TVM-FFI libraries): unset/`1` = "
            "`~/.cache/mla_backend_plugin/cute`, `0` = off, else that directory (e.g. one made by "
            "`python -m mla_backend_plugin.compile --export-dir DIR`).", kind="path", parse=_cache_dir),
+    EnvVar("CUTE_MLA_PACKAGED_KERNELS", True,
+           "Load CuTe-DSL variants shipped prebuilt inside the package (`mla_backend_plugin/kernels/prebuilt/`, "
+           "filled by `python -m mla_backend_plugin.compile --into-package` before a wheel is built) when "
+           "`CUTE_MLA_CUTE_CACHE` lacks them: an engine's first start then compiles nothing. `0` ignores them.",
+           kind="bool"),
     EnvVar("CUTE_MLA_PREBUILD", False,
            "vLLM: `1` starts compiling the CuTe-DSL variants the engine's decode will launch in background "
            "processes at model construction (into `CUTE_MLA_CUTE_CACHE`) instead of on their first call. Off by "

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -119,16 +121,19 @@ def test_measure_cell_times_the_steps_where_the_whole_batch_decodes(monkeypatch)
         assert (row["mixed_step_ms"] > 4.05) == (batch * context > 16384), row
 
 
-def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("packaged", [False, True])
+def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch, packaged):
     """A cut-off --start-times run keeps what it measured: every start is on disk before the next one begins.
-    CUTE_MLA starts cold, warm, then cold again (emptied caches) with the background prebuild; every start
-    runs the sweep's engine (max_num_seqs = the largest batch)."""
+    CUTE_MLA starts cold, warm, then cold again (emptied caches): without the packaged kernels where the package
+    ships them (as a source install starts), else with the background prebuild; every start runs the sweep's
+    engine (max_num_seqs = the largest batch)."""
     import argparse
     import os
 
-    import pytest
-
     bench = _bench()
+    monkeypatch.setattr(bench, "packaged_kernels", lambda: packaged)
+    monkeypatch.delenv("CUTE_MLA_PACKAGED_KERNELS", raising=False)  # conftest's; a start passes the environment on
+    second = ("CUTE_MLA_PACKAGED_KERNELS", "0") if packaged else ("CUTE_MLA_PREBUILD", "1")
     seen_on_disk = []
     seen = []
 
@@ -139,7 +144,7 @@ def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
             raise TimeoutError("deadline")
         root = env["VLLM_CACHE_ROOT"].rsplit("/", 1)[0]
         assert env["CUTE_MLA_CUTE_CACHE"].startswith(root) and env["TORCHINDUCTOR_CACHE_DIR"].startswith(root)
-        seen.append((env.get("CUTE_MLA_PREBUILD"), os.path.exists(env["VLLM_CACHE_ROOT"]), args.max_num_seqs))
+        seen.append((env.get(second[0]), os.path.exists(env["VLLM_CACHE_ROOT"]), args.max_num_seqs))
         os.makedirs(env["VLLM_CACHE_ROOT"], exist_ok=True)  # what a start leaves for the next
         log_path.write_text("log")
         return [{"backend": backend, "start_s": 10.0 if len(seen_on_disk) % 2 else 5.0, "graph_capture_s": 3.0}]
@@ -152,8 +157,8 @@ def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert seen_on_disk == [0, 1, 2, 3]
     assert [(r["backend"], r["start"], r["start_s"]) for r in rows] == [
-        ("CUTE_MLA", "cold", 10.0), ("CUTE_MLA", "warm", 5.0), ("CUTE_MLA", "cold, CUTE_MLA_PREBUILD=1", 10.0)]
-    assert seen == [(None, False, 32), (None, True, 32), ("1", False, 32)]
+        ("CUTE_MLA", "cold", 10.0), ("CUTE_MLA", "warm", 5.0), ("CUTE_MLA", f"cold, {second[0]}={second[1]}", 10.0)]
+    assert seen == [(None, False, 32), (None, True, 32), (second[1], False, 32)]
     assert all(r["graph_capture_s"] == 3.0 for r in rows)
     assert len(list((tmp_path / "logs").glob("start_CUTE_MLA_*.log"))) == 3
 
@@ -169,10 +174,15 @@ def test_start_phases_from_the_engine_log():
         "waited 0.0 s)",
         "INFO 11-24 [mla_backend_plugin] mla_decode: cute_sm90: bf16_q2 built in the background in 8.0 s (first use "
         "waited 1.5 s)",
+        "INFO 11-25 [aot.py:300] mla_decode: cute_sm90: loaded cute_sm90 h128 q1 bs64 kv=bf16 q=bf16 out=bf16 qFkF "
+        "(pdl on, sm_90a) from the package in 0.05 s",
+        "INFO 11-25 [aot.py:300] mla_decode: cute_sm90: loaded cute_sm90 h128 q2 bs64 kv=bf16 q=bf16 out=bf16 qFkF "
+        "(pdl on, sm_90a) from the cache in 0.04 s",
         "INFO 11-24 [gpu_model_runner.py:6845] Graph capturing finished in 7 secs, took 0.40 GiB",
         "INFO 11-24 [core.py:341] init engine (profile, create kv cache, warmup model) took 31.40 s (compilation: "
         "14.93 s)"])
     assert bench.start_phases(log) == {
         "load_s": 3.5, "torch_compile_s": 14.9, "graph_capture_s": 7.0, "init_engine_s": 31.4,
-        "cute_compile_in_process_s": 4.2, "cute_background_build_s": 17.5, "cute_first_use_wait_s": 1.5}
+        "cute_compile_in_process_s": 4.2, "cute_load_packaged_s": 0.1, "cute_background_build_s": 17.5,
+        "cute_first_use_wait_s": 1.5}
     assert bench.start_phases("nothing logged") == {}

@@ -115,14 +115,16 @@ class VariantResult:
 
 
 def lazy(module: str, attr: str) -> Callable:
-    """``module.attr``, imported on first call, so that a manifest imports nothing heavy."""
-    target = None
+    """``module.attr``, imported on first call, so that a manifest imports nothing heavy. The module is kept, the
+    attribute looked up on every call: a replaced ``module.attr`` (a test's monkeypatch) is what the next call
+    reaches, never what the first call happened to see."""
+    mod = None
 
     def call(*args, **kwargs):
-        nonlocal target
-        if target is None:
-            target = getattr(importlib.import_module(module), attr)
-        return target(*args, **kwargs)
+        nonlocal mod
+        if mod is None:
+            mod = importlib.import_module(module)
+        return getattr(mod, attr)(*args, **kwargs)
 
     call.__name__ = f"{module.rsplit('.', 1)[-1]}.{attr}"
     call.__qualname__ = call.__name__

@@ -22,6 +22,13 @@ overwritten); without it, an entry is used when the installed apache-tvm-ffi is 
 
 ``CUTE_MLA_CUTE_CACHE`` (envs.py): unset, ``1`` or ``on`` -> ``~/.cache/mla_backend_plugin/cute``; ``0`` /
 ``off`` -> no cache; anything else -> that directory.
+
+A second, read-only root ships inside the package: ``mla_backend_plugin/kernels/prebuilt/``, filled before a wheel
+is built by ``python -m mla_backend_plugin.compile --arch ARCH --into-package`` (``CUTE_MLA_PACKAGED_KERNELS=0``
+ignores it). A lookup tries the user's cache first, then the package, so a cold engine start compiles nothing
+for the variants a release shipped. Its entries carry no copy of the DSL runtime (43 MB): they load with the
+installed nvidia-cutlass-dsl's own ``libcute_dsl_runtime.so`` (preloaded by soname), which the version check
+requires to be the release they were built with anyway.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ RUNTIME_NAME = "libcute_dsl_runtime.so"
 FORMAT = 2  # layout of an entry; part of the key (2: family fingerprints, one root for every family)
 DSL_DIST, TVM_FFI_DIST = "nvidia-cutlass-dsl", "apache-tvm-ffi"
 COMMON_DIR = Path(__file__).resolve().parent
+PACKAGED_ROOT = str(COMMON_DIR.parent / "prebuilt")  # mla_backend_plugin/kernels/prebuilt (package data)
+SHARED_RUNTIME = "installed"  # meta "runtime" of a packaged entry: the installed DSL's own runtime library
 logger = logging.getLogger("mla_backend_plugin")
 
 
@@ -61,6 +70,23 @@ def cache_root() -> str | None:
     if value is None:
         return None
     return value or default_root()
+
+
+def search_roots() -> tuple[str, ...]:
+    """Where a lookup looks, in order: the user's cache, then the package's prebuilt kernels (when it has any and
+    they are not ignored). Nothing with the cache off."""
+    root = cache_root()
+    if root is None:
+        return ()
+    roots = [root]
+    if (envs.get("CUTE_MLA_PACKAGED_KERNELS") and os.path.isdir(PACKAGED_ROOT)
+            and os.path.realpath(root) != os.path.realpath(PACKAGED_ROOT)):
+        roots.append(PACKAGED_ROOT)
+    return tuple(roots)
+
+
+def is_packaged(root: str) -> bool:
+    return os.path.realpath(root) == os.path.realpath(PACKAGED_ROOT)
 
 
 def installed_version(dist: str) -> str | None:
@@ -172,18 +198,36 @@ class AotCache:
         elif _series(tvm) != _series(str(built_tvm)):
             return None, (f"built against {TVM_FFI_DIST} {built_tvm}, installed {tvm} (pip install "
                           f"'{TVM_FFI_DIST}=={built_tvm}', or rebuild with nvidia-cutlass-dsl installed)")
+        if meta.get("runtime") == SHARED_RUNTIME:  # a packaged entry: the installed DSL lends its runtime
+            if not dsl_importable() or _installed_runtime(meta.get("runtime_flavour", "")) is None:
+                return None, (f"{d} loads with {DSL_DIST}'s runtime library: pip install '{DSL_DIST}=={built_dsl}'")
+            return lib, ""
         runtime = os.path.join(d, meta.get("runtime", ""))
         if not os.path.isfile(runtime):
             return None, f"the DSL runtime library {runtime} is missing (copy the whole cache directory)"
         return lib, ""
 
+    def find(self, variant, use_pdl: bool, arch: str) -> tuple[str | None, str]:
+        """(library path, "") from the first root of ``search_roots()`` that holds a loadable entry, else (None,
+        why not, per root)."""
+        roots = search_roots()
+        if not roots:
+            return None, f"the CuTe kernel cache is off ({CACHE_ENV_VAR}=0)"
+        reasons = []
+        for root in roots:
+            path, why = self.check_entry(variant, use_pdl, arch, root)
+            if path is not None:
+                return path, ""
+            reasons.append(why if not is_packaged(root) else f"package: {why}")
+        return None, "; ".join(reasons)
+
     def prebuilt_reason(self, variant, use_pdl: bool, arch: str) -> str | None:
         """None when a loadable prebuilt library of the variant is in the cache, else why not. Memoised per
         process and cache directory (the registry asks on every call)."""
-        root = cache_root()
-        if root is None:
+        roots = search_roots()
+        if not roots:
             return f"the CuTe kernel cache is off ({CACHE_ENV_VAR}=0)"
-        return _prebuilt_cached(self, variant, bool(use_pdl), arch, root)
+        return _prebuilt_cached(self, variant, bool(use_pdl), arch, roots)
 
     def export(self, compiled, variant, use_pdl: bool, arch: str, root: str | None = None) -> str:
         """Export a compiled (``--enable-tvm-ffi``) variant into the cache; returns the library's path."""
@@ -198,16 +242,21 @@ class AotCache:
         d = self.entry_dir(variant, use_pdl, arch, root)
         os.makedirs(d, exist_ok=True)
         runtime_src, runtime_dir = _runtime_library()
-        lib_dir = os.path.join(root, "lib", runtime_dir)
-        os.makedirs(lib_dir, exist_ok=True)
-        runtime = os.path.join(lib_dir, RUNTIME_NAME)
-        if not os.path.exists(runtime) or os.path.getsize(runtime) != os.path.getsize(runtime_src):
-            _copy_atomic(runtime_src, runtime)
         tvm_lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
         meta = {**self.expected_meta(variant, use_pdl, arch), "variant_name": variant.name,
-                "runtime": os.path.join("..", "lib", runtime_dir, RUNTIME_NAME),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 DSL_DIST: installed_version(DSL_DIST), TVM_FFI_DIST: installed_version(TVM_FFI_DIST)}
+        if is_packaged(root):  # linked by soname only; the installed DSL's runtime is preloaded at load
+            lib_dir, rpath = os.path.dirname(runtime_src), []
+            meta.update(runtime=SHARED_RUNTIME, runtime_flavour=runtime_dir.rsplit("-", 1)[-1])
+        else:
+            lib_dir = os.path.join(root, "lib", runtime_dir)
+            os.makedirs(lib_dir, exist_ok=True)
+            runtime = os.path.join(lib_dir, RUNTIME_NAME)
+            if not os.path.exists(runtime) or os.path.getsize(runtime) != os.path.getsize(runtime_src):
+                _copy_atomic(runtime_src, runtime)
+            rpath = [f"-Wl,-rpath,$ORIGIN/../lib/{runtime_dir}"]
+            meta["runtime"] = os.path.join("..", "lib", runtime_dir, RUNTIME_NAME)
         with tempfile.TemporaryDirectory(dir=d, prefix=".tmp-") as tmp:
             obj = os.path.join(tmp, self.function_name + ".o")
             compiled.export_to_c(obj, function_name=self.function_name)
@@ -215,9 +264,8 @@ class AotCache:
             # -l by name: the NEEDED entries are sonames, found through RUNPATH ($ORIGIN: the directory moves
             # with the entry) and, for libtvm_ffi.so, as the copy `import tvm_ffi` already loaded
             proc = subprocess.run([cc, "-shared", "-o", tmp_lib, obj, f"-L{lib_dir}", "-lcute_dsl_runtime",
-                                   f"-L{tvm_lib_dir}", "-ltvm_ffi", "-Wl,--enable-new-dtags",
-                                   f"-Wl,-rpath,$ORIGIN/../lib/{runtime_dir}"], check=False, capture_output=True,
-                                  text=True)
+                                   f"-L{tvm_lib_dir}", "-ltvm_ffi", "-Wl,--enable-new-dtags", *rpath], check=False,
+                                  capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"linking {variant.name} failed: {proc.stderr.strip()}")
             tmp_meta = os.path.join(tmp, META_NAME)
@@ -247,17 +295,47 @@ class AotCache:
     def load_path(self, path: str):
         import tvm_ffi
 
+        try:
+            with open(os.path.join(os.path.dirname(path), META_NAME)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            meta = {}
+        if meta.get("runtime") == SHARED_RUNTIME:
+            _preload_runtime(meta.get("runtime_flavour", ""))
         return tvm_ffi.load_module(path)[self.function_name]
 
     def load(self, variant, use_pdl: bool, arch: str):
-        """The cached variant's function, or None when the cache holds no usable entry for it."""
-        path, _ = self.check_entry(variant, use_pdl, arch)
+        """The variant's function from the cache or the package, or None when neither holds a usable entry."""
+        path, _ = self.find(variant, use_pdl, arch)
         return None if path is None else self.load_path(path)
 
 
 @functools.cache
-def _prebuilt_cached(cache: AotCache, variant, use_pdl: bool, arch: str, root: str) -> str | None:
-    return cache.check_entry(variant, use_pdl, arch, root)[1] or None
+def _prebuilt_cached(cache: AotCache, variant, use_pdl: bool, arch: str, roots: tuple[str, ...]) -> str | None:
+    return cache.find(variant, use_pdl, arch)[1] or None
+
+
+def _installed_runtime(flavour: str) -> str | None:
+    """The installed DSL's ``libcute_dsl_runtime.so`` of a flavour (cu12 / cu13), found through its distribution's
+    file list: importing cutlass to ask it would cost seconds of an engine's start."""
+    try:
+        path = importlib.metadata.distribution(f"{DSL_DIST}-libs-{flavour}").locate_file(
+            f"nvidia_cutlass_dsl/{flavour}/lib/{RUNTIME_NAME}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    return str(path) if os.path.isfile(path) else None
+
+
+@functools.cache
+def _preload_runtime(flavour: str) -> None:
+    """Load the installed DSL's runtime globally, so a packaged library's NEEDED ``libcute_dsl_runtime.so`` (a
+    soname, no RUNPATH) resolves to it."""
+    import ctypes
+
+    path = _installed_runtime(flavour)
+    if path is None:
+        raise RuntimeError(f"{DSL_DIST}'s {RUNTIME_NAME} ({flavour}) is not installed")
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def _runtime_library() -> tuple[str, str]:
@@ -290,10 +368,16 @@ def compiled_from_cache_or_jit(cache: AotCache, variant, use_pdl: bool, arch: st
     from mla_backend_plugin.kernels.cute_common.host import dsl_missing
 
     background.wait(cache, variant, use_pdl, arch, warn)
-    path, why = cache.check_entry(variant, use_pdl, arch)
+    path, why = cache.find(variant, use_pdl, arch)
     if path is not None:
         try:
-            return cache.load_path(path)
+            t0 = time.monotonic()
+            fn = cache.load_path(path)
+            logger.info("mla_decode: %s: loaded %s (pdl %s, %s) from %s in %.2f s", cache.family, variant.name,
+                        "on" if use_pdl else "off", arch,
+                        "the package" if is_packaged(os.path.dirname(os.path.dirname(path))) else "the cache",
+                        time.monotonic() - t0)
+            return fn
         except Exception as e:  # noqa: BLE001 - a broken library is rebuilt when the DSL is here
             why = f"loading {path} failed: {e}"
             if dsl_missing() is None:

@@ -57,7 +57,7 @@ def start(cache, variant, use_pdl: bool, arch: str) -> bool:
     key = cache.cache_key(variant, use_pdl, arch)
     if key in _BUILDS:
         return _BUILDS[key].proc.poll() is None
-    if cache_root() is None or dsl_missing() is not None or cache.check_entry(variant, use_pdl, arch)[0]:
+    if cache_root() is None or dsl_missing() is not None or cache.find(variant, use_pdl, arch)[0]:
         return False
     if not cache.builder_module:
         return False
