@@ -1,5 +1,5 @@
-"""CI: the release wheel carries every CuTe-DSL serving variant of the archs it was packaged for, each entry
-complete (library + meta.json) and matching the sources it was built from.
+"""CI: the release wheel carries every CuTe-DSL serving variant of the archs it was packaged for, PDL on and off,
+each entry complete (library + meta.json) and matching the sources it was built from.
 
     python .ci/check_wheel.py dist/mla_backend_plugin-*.whl sm_90a sm_100a sm_103a
 """
@@ -31,13 +31,14 @@ def main(wheel: str, archs: list[str]) -> int:
         for family, (build, aot) in families.items():
             if arch not in KERNELS[family].archs:
                 continue
-            for variant in build.serving_variants():
-                key = aot.cache_key(variant, True, arch)
+            for variant, pdl in [(v, pdl) for v in build.serving_variants() for pdl in (True, False)]:
+                key = aot.cache_key(variant, pdl, arch)
                 meta = metas.get(key)
+                label = f"{family} {arch}: {variant.name} pdl={'on' if pdl else 'off'}"
                 if meta is None or f"{PREFIX}{key}/{aot.library_name}" not in names:
-                    problems.append(f"{family} {arch}: {variant.name} missing ({key})")
+                    problems.append(f"{label} missing ({key})")
                 elif meta.get("source_sha256") != aot.source_hash() or meta.get("runtime") != "installed":
-                    problems.append(f"{family} {arch}: {variant.name}: entry does not match these sources")
+                    problems.append(f"{label}: entry does not match these sources")
                 else:
                     found += 1
     size = sum(i.file_size for i in zipfile.ZipFile(wheel).infolist() if i.filename.startswith(PREFIX))

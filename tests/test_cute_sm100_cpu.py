@@ -277,7 +277,8 @@ def exported(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(aot.CACHE_ENV_VAR, "restored-after-the-build")
         mp.setattr(build, "serving_variants", lambda: [COMPILED])
-        mp.setattr(build, "compile_variants", lambda *a, **k: results.extend(real(*a, jobs=1, **k)) or results)
+        mp.setattr(build, "compile_variants",
+                   lambda *a, **k: results.extend(real(*a, jobs=1, pdl_modes=(True,), **k)) or results)
         rc = compile_cli.main(["--arch", "sm_100a", "--kernels", "cute_sm100", "--export-dir", str(root)])
     assert len(results) == 1, results
     assert rc == 0, results[0].error

@@ -162,7 +162,8 @@ def exported(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(aot.CACHE_ENV_VAR, "restored-after-the-build")  # --export-dir sets it for the build
         mp.setattr(build, "serving_variants", lambda: [CACHED])
-        mp.setattr(build, "compile_variants", lambda *a, **k: results.extend(real(*a, **k)) or results)
+        mp.setattr(build, "compile_variants",  # PDL on only (test_cute_packaged_cpu builds both modes)
+                   lambda *a, **k: results.extend(real(*a, pdl_modes=(True,), **k)) or results)
         rc = compile_cli.main(["--arch", "sm_90a", "--kernels", "cute_sm90", "--export-dir", str(root)])
     assert rc == 0 and len(results) == 1, results
     return results[0], root

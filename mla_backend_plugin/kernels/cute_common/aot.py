@@ -359,6 +359,18 @@ def _copy_atomic(src: str, dst: str) -> None:
             os.unlink(tmp)
 
 
+def build_in_pool(build_one, variants, arch: str, jobs: int | None, pdl_modes=(True, False)) -> list:
+    """``build_one(variant, arch, use_pdl)`` for every variant and PDL mode in worker processes (each compile is
+    single-threaded and seconds long): a family's ``compile_variants``, whose results the compile CLI prints."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    builds = [(v, pdl) for pdl in pdl_modes for v in variants]
+    if not builds:
+        return []
+    with ProcessPoolExecutor(max_workers=jobs or min(len(builds), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(build_one, [v for v, _ in builds], [arch] * len(builds), [p for _, p in builds]))
+
+
 def compiled_from_cache_or_jit(cache: AotCache, variant, use_pdl: bool, arch: str, compile_fn, warn):
     """The variant's function: from the cache when it holds a usable entry, else ``compile_fn()`` now and
     exported to the cache (when the cache is on). Without the DSL only the cache can serve it. A background build

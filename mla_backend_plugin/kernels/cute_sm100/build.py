@@ -10,19 +10,19 @@ nvdisasm that decodes the arch, cuobjdump for the resource usage), and the varia
 * with PDL on, ``griddepcontrol.wait`` (ACQBULK) comes before its first global or TMA load;
 * it uses no local memory and no stack (no spills: STL/LDL).
 
-With ``--export-dir`` (or CUTE_MLA_CUTE_CACHE set) every variant is also exported to the relocatable kernel cache
-(cute_common/aot.py), so an SM100 host can run them without the DSL.
+Every variant is built with PDL on and off. With ``--export-dir`` / ``--into-package`` (or CUTE_MLA_CUTE_CACHE
+set) each is also exported to the relocatable kernel cache or the package (cute_common/aot.py), so an SM100 host
+can run them without compiling.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 from mla_backend_plugin.kernels.cute_common import sass
+from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm100 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm100.config import Variant, shared_bytes
 from mla_backend_plugin.ops.manifest import VariantResult
@@ -85,14 +85,14 @@ def build_one(variant: Variant, arch: str, use_pdl: bool = True) -> VariantResul
             return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     problems = check_sass(variant, text, usage, use_pdl)
     spills = (usage.get("stack") or 0) + (usage.get("local") or 0)
-    return VariantResult(variant.name, not problems, usage.get("registers"), shared_bytes(variant), spills,
+    return VariantResult(variant.name + ("" if use_pdl else " pdl=off"), not problems, usage.get("registers"),
+                         shared_bytes(variant), spills,
                          time.time() - t0, error="; ".join(problems))
 
 
-def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None):
+def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
+                     pdl_modes: tuple[bool, ...] = (True, False)):
+    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm100 is built for {MANIFEST.archs}, not {arch!r}")
-    variants = serving_variants() if variants is None else variants
-    jobs = jobs or min(len(variants), os.cpu_count() or 1, 8)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(build_one, variants, itertools.repeat(arch)))
+    return build_in_pool(build_one, serving_variants() if variants is None else variants, arch, jobs, pdl_modes)

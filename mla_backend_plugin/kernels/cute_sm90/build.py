@@ -3,19 +3,19 @@
 fails unless the SASS holds wgmma (HGMMA; e4m3 QGMMA and no HGMMA for the fp8-wgmma design), TMA loads
 (UTMALDG) for 16-bit caches and that design, no local-memory
 spills (STL/LDL, non-zero stack), and no wgmma serialisation (ptxas waits after every wgmma it cannot prove
-warp-group uniform)."""
+warp-group uniform). Every variant is built with PDL on and off, and exported (the cache, ``--export-dir`` or
+``--into-package``) in both forms."""
 
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 from mla_backend_plugin.kernels.cute_common import sass as sass_tools
+from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT
@@ -61,18 +61,19 @@ def inspect_cubin(path: str) -> dict:
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
 
-def _build_one(variant: Variant, arch: str):
+def _build_one(variant: Variant, arch: str, use_pdl: bool = True):
     from mla_backend_plugin.kernels.cute_sm90.launch import compile_variant
 
     t0 = time.time()
+    name = variant.name + ("" if use_pdl else " pdl=off")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            compiled = compile_variant(variant, use_pdl=True, arch=arch, keep_dir=tmp)
+            compiled = compile_variant(variant, use_pdl=use_pdl, arch=arch, keep_dir=tmp)
             path = sass_tools.write_cubin(compiled, tmp)
             info = inspect_cubin(path)
-            AOT.export_for_build(compiled, variant, True, arch)
+            AOT.export_for_build(compiled, variant, use_pdl, arch)
         except Exception as e:  # noqa: BLE001 - reported per variant; the command fails
-            return VariantResult(variant.name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
+            return VariantResult(name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)
     problems = []
     if variant.fp8_mma:  # design B: both products as e4m3 wgmma, nothing in 16 bits
@@ -89,14 +90,13 @@ def _build_one(variant: Variant, arch: str):
         problems.append("no UTMALDG (TMA load) in the SASS")
     if spills or info["spill_ops"]:
         problems.append(f"spills: stack {info['stack']} B, local {info['local']} B, {info['spill_ops']} STL/LDL")
-    return VariantResult(variant.name, not problems, info["registers"], shared_bytes(variant), spills,
+    return VariantResult(name, not problems, info["registers"], shared_bytes(variant), spills,
                          time.time() - t0, error="; ".join(problems))
 
 
-def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None):
+def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
+                     pdl_modes: tuple[bool, ...] = (True, False)):
+    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm90 is built for {MANIFEST.archs}, not {arch!r}")
-    variants = serving_variants() if variants is None else variants
-    jobs = jobs or min(len(variants), os.cpu_count() or 1, 8)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_build_one, variants, itertools.repeat(arch)))
+    return build_in_pool(_build_one, serving_variants() if variants is None else variants, arch, jobs, pdl_modes)
