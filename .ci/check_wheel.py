@@ -10,6 +10,7 @@ import json
 import sys
 import zipfile
 
+from mla_backend_plugin.kernels.cute_common.aot import SHARED_RUNTIME
 from mla_backend_plugin.ops.registry import KERNELS
 
 PREFIX = "mla_backend_plugin/kernels/prebuilt/"
@@ -37,7 +38,7 @@ def main(wheel: str, archs: list[str]) -> int:
                 label = f"{family} {arch}: {variant.name} pdl={'on' if pdl else 'off'}"
                 if meta is None or f"{PREFIX}{key}/{aot.library_name}" not in names:
                     problems.append(f"{label} missing ({key})")
-                elif meta.get("source_sha256") != aot.source_hash() or meta.get("runtime") != "installed":
+                elif meta.get("source_sha256") != aot.source_hash() or meta.get("runtime") != SHARED_RUNTIME:
                     problems.append(f"{label}: entry does not match these sources")
                 else:
                     found += 1

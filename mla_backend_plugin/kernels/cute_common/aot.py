@@ -207,10 +207,10 @@ class AotCache:
             return None, f"the DSL runtime library {runtime} is missing (copy the whole cache directory)"
         return lib, ""
 
-    def find(self, variant, use_pdl: bool, arch: str) -> tuple[str | None, str]:
-        """(library path, "") from the first root of ``search_roots()`` that holds a loadable entry, else (None,
-        why not, per root)."""
-        roots = search_roots()
+    def find(self, variant, use_pdl: bool, arch: str, roots: tuple[str, ...] | None = None) -> tuple[str | None, str]:
+        """(library path, "") from the first root (``search_roots()`` unless given) that holds a loadable entry,
+        else (None, why not, per root)."""
+        roots = search_roots() if roots is None else roots
         if not roots:
             return None, f"the CuTe kernel cache is off ({CACHE_ENV_VAR}=0)"
         reasons = []
@@ -312,7 +312,7 @@ class AotCache:
 
 @functools.cache
 def _prebuilt_cached(cache: AotCache, variant, use_pdl: bool, arch: str, roots: tuple[str, ...]) -> str | None:
-    return cache.find(variant, use_pdl, arch)[1] or None
+    return cache.find(variant, use_pdl, arch, roots)[1] or None
 
 
 def _installed_runtime(flavour: str) -> str | None:
