@@ -8,7 +8,8 @@
 The model: examples/tiny_deepseek's DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, YaRN) at
 DeepSeek-V3's width (hidden 7168) with ``--layers`` dense layers, a small MLP and vocabulary, dummy weights, no
 tokenizer. Each backend runs in its own process (one engine, in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-CUDA graphs on unless ``--eager``, prefix caching off, ``--max-batched-tokens`` per step. Per cell (batch B,
+CUDA graphs on unless ``--eager``, prefix caching off unless ``--prefix-caching``, ``--max-batched-tokens`` per
+step. Per cell (batch B,
 context S, n-gram speculative tokens), medians of ``--repeats``: chunked prefill makes the first requests decode
 while the last still prefill (mixed steps: prefill work, attention run eagerly), so the decode step is timed as the
 difference of two generations that both outlast that phase, n_short and n_short + 64 tokens: 64 steps in which the
@@ -18,6 +19,11 @@ For CUTE_MLA also the host time per decode step in our metadata builder and in `
 calls the builder once and ``forward_mqa`` never). ``--kernel-profile`` adds a CUPTI trace of the two runs: GPU
 busy time, attention-kernel time and the heaviest kernels per decode step.
 ``CUTE_MLA:<kernel>`` runs CUTE_MLA with ``CUTE_MLA_KERNEL=<kernel>``.
+
+With few layers the step is bound by vLLM's host work (the GPU idles for milliseconds of each step and that idle
+time moves between runs); a real DeepSeek-V3 (61 layers) is bound by the GPU. ``--layers 16 --prefix-caching``
+measures that regime within a device call: with prefix caching only the warm-up generation prefills the prompts,
+the timed ones find them cached (the decode steps, and so the differenced step time, are the same either way).
 
 One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
 ``DIR/rows.jsonl`` and ``--report`` renders them all. First H100 runs: benchmarks/NOTES.md (2026-11-24).
@@ -103,9 +109,16 @@ def _busy_us(kernels) -> float:
     return busy
 
 
+def _span_us(kernels) -> float:
+    """From the first kernel's start to the last one's end."""
+    return max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels) if kernels else 0.0
+
+
 def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
-    """Per decode step, the long run minus the short one (the same prefill): GPU busy time, kernel time, the
-    attention kernels' time (names matching ATTENTION_KERNEL) and the heaviest kernels by name."""
+    """Per decode step, the long run minus the short one (the same prefill): GPU busy time, the span from the first
+    kernel to the last (busy plus the GPU's idle gaps, from the same two traced runs: the idle time measured
+    without the timed runs' run-to-run noise), kernel time, the attention kernels' time (names matching
+    ATTENTION_KERNEL) and the heaviest kernels by name."""
     short, long = _kernel_trace(run_short), _kernel_trace(run_long)
 
     def by_name(kernels):
@@ -118,6 +131,7 @@ def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
     per_step = {n: (b.get(n, 0.0) - a.get(n, 0.0)) / steps for n in set(a) | set(b)}
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:10]
     return {"gpu_busy_ms": round((_busy_us(long) - _busy_us(short)) / steps / 1e3, 4),
+            "gpu_span_ms": round((_span_us(long) - _span_us(short)) / steps / 1e3, 4),
             "kernel_ms": round(sum(per_step.values()) / 1e3, 4),
             "attention_kernel_ms": round(sum(v for n, v in per_step.items() if ATTENTION_KERNEL.search(n)) / 1e3, 4),
             "kernel_launches": round((len(long) - len(short)) / steps, 1),
@@ -178,6 +192,16 @@ def mixed_steps(batch: int, context: int, max_batched_tokens: int) -> int:
     return -(-batch * context // prefill_per_step)
 
 
+def prompt_length(context: int, prefix_caching: bool) -> int:
+    """With prefix caching, one token past the context: vLLM reuses whole cached blocks and recomputes the rest, so
+    a prompt of a multiple of the block size plus one token leaves exactly one token to compute per request (every
+    supported block size divides the contexts). That first step of a timed run is then a q_len 1 decode for every
+    backend; with a longer tail it would be a short prefill, which vLLM's FA3 and FlashMLA backends run through
+    their decode kernels (up to 512 / 128 query tokens) and a q_len <= 4 backend through the prefill path (that
+    step's run-to-run variation then swamps the differenced decode step)."""
+    return context + 1 if prefix_caching else context
+
+
 def run_lengths(batch: int, context: int, max_batched_tokens: int) -> tuple[int, int]:
     """Tokens of a cell's two timed generations: both outlast the mixed phase, and they differ by DECODE_STEPS."""
     n_short = mixed_steps(batch, context, max_batched_tokens) + 2
@@ -209,13 +233,16 @@ def worker(args) -> None:
     llm = LLM(model=args.model_dir, attention_backend=backend, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=args.eager, max_model_len=max(args.contexts) + longest_run(args),
               max_num_seqs=args.max_num_seqs or max(args.batches), max_num_batched_tokens=args.max_batched_tokens,
-              enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **extra)
+              enable_prefix_caching=args.prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              **extra)
+    layers = json.loads((Path(args.model_dir) / "config.json").read_text())["num_hidden_layers"]
     start_s = time.perf_counter() - t0
     for context in args.contexts:
         for batch in args.batches:
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, context, args.worker_spec, 0)]
+            prompts = [TokensPrompt(prompt_token_ids=p)
+                       for p in _prompts(batch, prompt_length(context, args.prefix_caching), args.worker_spec, 0)]
             row = measure_cell(llm, SamplingParams, prompts, timers, args, batch, context)
-            row["start_s"] = round(start_s, 1)
+            row.update(start_s=round(start_s, 1), layers=layers, prefix_caching=args.prefix_caching)
             print("ROW " + json.dumps(row), flush=True)
     print("DONE", flush=True)
 
@@ -278,17 +305,28 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
            str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens)] \
         + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []) \
         + (["--eager"] if args.eager else []) \
+        + (["--prefix-caching"] if args.prefix_caching else []) \
         + (["--kernel-profile"] if args.kernel_profile else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        stdout, stderr, failure = proc.stdout, proc.stderr, (proc.stderr[-2000:] if proc.returncode else None)
+    except subprocess.TimeoutExpired as e:  # keep the cells it finished
+        stdout, stderr = (_text(e.stdout), _text(e.stderr))
+        failure = f"timed out after {args.timeout} s (--timeout)"
     if log_path is not None:
-        log_path.write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
-    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-    if proc.returncode != 0:
-        rows.append({"backend": backend, "spec": spec, "error": proc.stderr[-2000:]})
-    phases = start_phases(proc.stdout + "\n" + proc.stderr)
+        log_path.write_text(stdout + "\n----- stderr\n" + stderr)
+    rows = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
+    if failure:
+        rows.append({"backend": backend, "spec": spec, "error": failure})
+    phases = start_phases(stdout + "\n" + stderr)
     for row in rows:
         row.update(phases)
     return rows
+
+
+def _text(output) -> str:
+    """A timed-out child's captured output (bytes even with ``text=True``, or None)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 # what an engine start spends its time on, from vLLM's log lines and ours (the package logs through vLLM's
@@ -370,6 +408,10 @@ def render(out_dir: Path) -> Path:
              "phase, differenced over 64 steps, medians) and decode tokens/s per backend; host time per step in "
              "CUTE_MLA's builder and forward_mqa. `mixed`: what decoding adds per step (ms) while prompts still "
              "prefill in chunks (eager attention, smaller chunks; the prefill itself cancels).", ""]
+    setups = sorted({(r.get("layers") or 0, bool(r.get("prefix_caching"))) for r in timed})
+    if setups:
+        lines += ["Model: " + "; ".join(f"{n or '?'} layers, prefix caching {'on' if pc else 'off'}"
+                                        for n, pc in setups) + ".", ""]
     keys = sorted({(r["context"], r["spec"], r["graphs"]) for r in timed})
     for context, spec, graphs in keys:
         cell = [r for r in timed if (r["context"], r["spec"], r["graphs"]) == (context, spec, graphs)]
@@ -408,14 +450,19 @@ def render(out_dir: Path) -> Path:
     if profiled:
         lines += ["## Where a decode step goes (CUPTI kernel trace, per decode step: the long run minus the short one)",
                   "", "Attention: kernels whose names match the decode attention kernels (ours, FlashMLA's, FA3's, "
-                  "their combines); the rest of the step is the model's other kernels plus GPU idle time.", "",
-                  "| backend | S | B | n-gram | step ms | GPU busy ms | idle ms | attention kernels ms | "
-                  "step - attention ms | kernels/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "their combines); the rest of the step is the model's other kernels plus GPU idle time. `traced "
+                  "step` is the first-to-last kernel span of the traced runs and `idle` its gaps (the same two "
+                  "runs, so free of the timed runs' run-to-run noise); `other kernels` = busy - attention.", "",
+                  "| backend | S | B | n-gram | step ms | traced step ms | GPU busy ms | idle ms | "
+                  "attention kernels ms | other kernels ms | step - attention ms | kernels/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+            span = r.get("gpu_span_ms")  # rows of older runs have none: idle from the timed step then
+            idle = (span if span is not None else r["step_ms"]) - r["gpu_busy_ms"]
             lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['spec']} | {r['step_ms']:.3f} | "
-                         f"{r['gpu_busy_ms']:.3f} | {r['step_ms'] - r['gpu_busy_ms']:.3f} | "
-                         f"{r['attention_kernel_ms']:.3f} | {r['step_ms'] - r['attention_kernel_ms']:.3f} | "
-                         f"{r['kernel_launches']} |")
+                         f"{span if span is not None else '-'} | {r['gpu_busy_ms']:.3f} | {idle:.3f} | "
+                         f"{r['attention_kernel_ms']:.3f} | {r['gpu_busy_ms'] - r['attention_kernel_ms']:.3f} | "
+                         f"{r['step_ms'] - r['attention_kernel_ms']:.3f} | {r['kernel_launches']} |")
         lines += ["", "Heaviest kernels per step (us):", ""]
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
             kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
@@ -485,6 +532,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="prefix caching on: the timed generations find the prompts cached (the GPU-bound "
+                             "regime of many layers fits in a device call)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (default: the "
                         "largest batch; --start-times: the largest of --batches)")
     parser.add_argument("--max-batched-tokens", type=int, default=16384,
@@ -525,10 +575,17 @@ def main(argv=None) -> int:
     if args.start_times:
         rows = start_times(args, out_dir)  # written as they come
     else:
-        rows = [row for b in args.backends for spec in args.spec for row in run_backend(args, b, spec)]
-        with open(out_dir / "rows.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        rows = []
+        logs = out_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        for backend in args.backends:
+            for spec in args.spec:
+                got = run_backend(args, backend, spec, log_path=logs / (re.sub(r"[^A-Za-z0-9]+", "_", backend)
+                                                                        + f"_spec{spec}.log"))
+                with open(out_dir / "rows.jsonl", "a") as f:  # as each engine finishes: a later one may not
+                    for row in got:
+                        f.write(json.dumps(row) + "\n")
+                rows += got
     print(render(out_dir))
     return 0 if not any(r.get("error") for r in rows) else 1
 

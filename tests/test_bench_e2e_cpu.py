@@ -66,7 +66,13 @@ def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
            "kernel_launches": 80.0, "top_kernels": [["mla_decode_sm90", 300.0], ["gemm", 200.0]]}
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
     md = bench.render(tmp_path).read_text()
-    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | 4.500 | 0.500 | 1.250 | 3.750 | 80.0 |" in md
+    # an older row (no traced span): idle from the timed step
+    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | - | 4.500 | 0.500 | 1.250 | 3.250 | 3.750 | 80.0 |" in md
+    # a traced span: idle from the traced runs themselves
+    assert bench._span_us([("a", 2.0, 10.0), ("b", 30.0, 5.0)]) == 33.0
+    (tmp_path / "rows.jsonl").write_text(json.dumps({**row, "gpu_span_ms": 4.6}) + "\n")
+    md = bench.render(tmp_path).read_text()
+    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | 4.6 | 4.500 | 0.100 | 1.250 | 3.250 | 3.750 | 80.0 |" in md
     assert "`mla_decode_sm90` 300.0" in md
     assert '[[""mla_decode_sm90"", 300.0]' in (tmp_path / "results.csv").read_text()
 
@@ -186,3 +192,39 @@ def test_start_phases_from_the_engine_log():
         "cute_compile_in_process_s": 4.2, "cute_load_packaged_s": 0.1, "cute_background_build_s": 17.5,
         "cute_first_use_wait_s": 1.5}
     assert bench.start_phases("nothing logged") == {}
+
+
+def test_a_timed_out_engine_keeps_the_cells_it_finished(tmp_path, monkeypatch):
+    """A worker cut off by --timeout loses no finished cell: its rows come back with an error row naming the
+    timeout, and the worker is told about prefix caching when asked for it."""
+    import argparse
+    import subprocess
+
+    bench = _bench()
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=b'ROW {"backend": "X", "batch": 1, '
+                                        b'"context": 1024, "spec": 0, "step_ms": 2.0}\nmore\n', stderr=None)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = argparse.Namespace(model_dir=str(tmp_path), batches=[1, 32], contexts=[1024], repeats=1,
+                              gpu_memory_utilization=0.8, max_batched_tokens=16384, max_num_seqs=None, eager=False,
+                              prefix_caching=True, kernel_profile=False, timeout=5)
+    rows = bench.run_backend(args, "X", 0, log_path=tmp_path / "log")
+    assert rows[0]["step_ms"] == 2.0
+    assert "timed out" in rows[1]["error"]
+    assert "--prefix-caching" in seen["cmd"]
+    assert "more" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_cached_prompts_leave_one_token_to_compute(block_size):
+    """vLLM reuses the cached blocks of a prompt's first len - 1 tokens (whole blocks only): the prompts of a
+    prefix-cached run leave one token per request, a decode step for every backend."""
+    bench = _bench()
+    for context in (1024, 8192):
+        length = bench.prompt_length(context, prefix_caching=True)
+        assert length - ((length - 1) // block_size) * block_size == 1
+        assert bench.prompt_length(context, prefix_caching=False) == context
