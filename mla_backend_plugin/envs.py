@@ -33,7 +33,7 @@ class EnvVar:
     name: str
     default: Any  # returned when the variable is unset or empty
     doc: str
-    kind: str = "str"  # "bool" | "choice" | "str" | "path" | "float" | "list"
+    kind: str = "str"  # "bool" | "choice" | "str" | "path" | "float" | "int" | "list"
     choices: tuple[str, ...] = ()
     # lower-cases and checks a "choice"; None keeps the raw (stripped) string
     parse: Callable[[str, str], Any] | None = None
@@ -63,6 +63,8 @@ class EnvVar:
             return "a path"
         if self.kind == "float":
             return "a number >= 0"
+        if self.kind == "int":
+            return "an integer >= 1"
         if self.kind == "list":
             return "comma-separated list"
         return "see description"
@@ -78,14 +80,23 @@ def _cache_dir(name: str, raw: str) -> str | None:
     return os.path.abspath(os.path.expanduser(v))
 
 
-def _float(name: str, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: allowed values are numbers of seconds, e.g. 120") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: must be >= 0")
-    return value
+def _number(cast: Callable[[str], Any], minimum, allowed: str) -> Callable[[str, str], Any]:
+    """A parser of one number of type ``cast``, at least ``minimum``; ``allowed`` says what it takes."""
+
+    def parse(name: str, raw: str):
+        try:
+            value = cast(raw.strip())
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: allowed values are {allowed}") from None
+        if value < minimum:
+            raise ValueError(f"{name}={raw!r}: allowed values are {allowed}")
+        return value
+
+    return parse
+
+
+_float = _number(float, 0, "numbers of seconds >= 0, e.g. 120")
+_positive_int = _number(int, 1, "integers >= 1")
 
 
 def _int_list(name: str, raw: str) -> tuple[int, ...]:
@@ -129,6 +140,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_FP8_QUERY", False,
            "vLLM: let vLLM quantise q to fp8 when the KV cache is fp8 (the kernels then take the fp8 q).",
            kind="bool"),
+    EnvVar("CUTE_MLA_DECODE_MAX_QUERY_LEN", 128,
+           "vLLM: requests of up to this many new tokens that already have KV context (the uncached tail of a "
+           "prefix-cache hit, a short chunk, drafts of mixed counts) run on the decode path, each query token as "
+           "a q_len 1 request over the keys it sees, instead of vLLM's prefill path (which up-projects the whole "
+           "context). At least 1 + the speculative tokens; under decode context parallelism that is all.",
+           kind="int", parse=_positive_int),
     EnvVar("CUTE_MLA_SELF_CHECK", "auto",
            "First-use self-check against the float32 reference: `auto` (only on GPUs where a kernel was never "
            "verified), `always`, `never`.", kind="choice", choices=("auto", "always", "never")),

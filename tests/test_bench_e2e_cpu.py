@@ -53,6 +53,11 @@ def test_report_from_rows(tmp_path):
     assert "| CUTE_MLA | 1.000 (1000.0) | 2.000 (16000.0) | 12.5 | 0.0 |" in md
     assert "| CUTE_MLA | cold | 86.7 |" in md and "TRITON_MLA: `boom`" in md
     assert (tmp_path / "results.csv").read_text().count("\n") == len(rows) + 1
+    assert "after a prefix-cache hit" not in md  # no row had a tail longer than one token
+    rows[0].update(prefix_caching=True, prefix_tail=16, t1_s=0.6213)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = bench.render(tmp_path).read_text()
+    assert "| CUTE_MLA | 1024 | 1 | 16 | 0 | 0.6213 |" in md
 
 
 def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
@@ -211,11 +216,12 @@ def test_a_timed_out_engine_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     args = argparse.Namespace(model_dir=str(tmp_path), batches=[1, 32], contexts=[1024], repeats=1,
                               gpu_memory_utilization=0.8, max_batched_tokens=16384, max_num_seqs=None, eager=False,
-                              prefix_caching=True, kernel_profile=False, timeout=5)
+                              prefix_caching=True, prefix_tail=16, kernel_profile=False, timeout=5)
     rows = bench.run_backend(args, "X", 0, log_path=tmp_path / "log")
     assert rows[0]["step_ms"] == 2.0
     assert "timed out" in rows[1]["error"]
     assert "--prefix-caching" in seen["cmd"]
+    assert seen["cmd"][seen["cmd"].index("--prefix-tail") + 1] == "16"
     assert "more" in (tmp_path / "log").read_text()
 
 
@@ -228,3 +234,5 @@ def test_cached_prompts_leave_one_token_to_compute(block_size):
         length = bench.prompt_length(context, prefix_caching=True)
         assert length - ((length - 1) // block_size) * block_size == 1
         assert bench.prompt_length(context, prefix_caching=False) == context
+        length = bench.prompt_length(context, prefix_caching=True, tail=16)
+        assert length - ((length - 1) // block_size) * block_size == 16  # a 16-token short prefill

@@ -74,3 +74,139 @@ def test_engine_result_script_reader(tmp_path):
     bad.write_text("print('RESULT {}')\nraise SystemExit(3)\n")
     with pytest.raises(AssertionError, match="exit 3"):
         run_result_script(str(bad))
+
+
+# ------------------------------------------------------- short prefills on the decode path: one request per token
+
+
+def test_uniform_query_len():
+    assert serving.uniform_query_len([2, 2, 2], 6) == 2
+    assert serving.uniform_query_len([2, 2, 0, 0], 8) == 2  # a full-graph batch's padding requests
+    assert serving.uniform_query_len([1, 3], 4) is None  # 4 tokens / 2 requests is 2, but not for each
+    assert serving.uniform_query_len([16, 16], 32) == 16
+    assert serving.uniform_query_len([1, 2], 3) is None
+    assert serving.uniform_query_len([], 0) is None
+
+
+def test_decode_query_len_threshold(monkeypatch):
+    monkeypatch.delenv("CUTE_MLA_DECODE_MAX_QUERY_LEN", raising=False)
+    assert serving.decode_query_len_threshold(0) == 128
+    assert serving.decode_query_len_threshold(3, dcp_world_size=2) == 4  # DCP: the speculative q_len only
+    monkeypatch.setenv("CUTE_MLA_DECODE_MAX_QUERY_LEN", "1")
+    assert serving.decode_query_len_threshold(0) == 1
+    assert serving.decode_query_len_threshold(2) == 3  # never under the speculative q_len
+    monkeypatch.setenv("CUTE_MLA_DECODE_MAX_QUERY_LEN", "0")
+    with pytest.raises(ValueError, match="CUTE_MLA_DECODE_MAX_QUERY_LEN='0': allowed values are integers >= 1"):
+        serving.decode_query_len_threshold(0)
+
+
+def test_token_request_q_len_fills_the_tile():
+    assert [serving.token_request_q_len(h) for h in (16, 32, 64, 128)] == [4, 2, 1, 1]
+
+
+def test_token_requests_give_each_query_token_its_causal_keys():
+    # requests of 3, 1, 0 (an engine's padding request), 5 new tokens; two padding tokens past the last request
+    query_lens, seq_lens = [3, 1, 0, 5], torch.tensor([10, 4, 0, 70], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 4, 4, 9], dtype=torch.int32)
+    block_table = torch.arange(4 * 9, dtype=torch.int32).view(4, 9)
+    tr = serving.token_requests(qsl, query_lens, seq_lens, block_table, 11)
+    assert tr.q_len == 1 and tr.rows is None and tr.row_kv_lens is None and tr.query_lens == query_lens
+    assert tr.seq_lens.dtype == torch.int32 and tr.block_table.dtype == torch.int32 and tr.block_table.is_contiguous()
+    assert tr.seq_lens.tolist() == [8, 9, 10, 4, 66, 67, 68, 69, 70, 0, 0]
+    rows = [0, 0, 0, 1, 3, 3, 3, 3, 3]
+    assert torch.equal(tr.block_table[:9], block_table[rows])
+    # only the columns a request of the step can use (70 keys in pages of 16: 5 columns)
+    tr = serving.token_requests(qsl, query_lens, seq_lens, block_table, 9, max_seq_len=70, block_size=16)
+    assert torch.equal(tr.block_table, block_table[rows, :5])
+    assert serving.token_requests(qsl, query_lens, seq_lens, block_table, 9, max_seq_len=1000,
+                                  block_size=16).block_table.shape == (9, 9)
+    # groups of up to 2 tokens of one request: [3] -> 2 requests, [1] -> 1, [5] -> 3, the 2 padding tokens -> 1
+    tr = serving.token_requests(qsl, query_lens, seq_lens, block_table, 11, q_len=2)
+    assert tr.row_kv_lens.tolist() == [[8, 9], [10, 0], [4, 0], [66, 67], [68, 69], [70, 0], [0, 0]]
+    assert tr.seq_lens.tolist() == [9, 10, 4, 67, 69, 70, 0]
+    assert tr.rows.tolist() == [0, 1, 2, 0, 3, 0, 4, 5, 6, 7, 8, 0, 9, 10]  # 0: a row past its request's end
+    assert tr.row_of_token.tolist() == [0, 1, 2, 4, 6, 7, 8, 9, 10, 12, 13]
+    assert torch.equal(tr.block_table[:6], block_table[[0, 0, 1, 3, 3, 3]])
+    q = torch.arange(11.0)[:, None, None]
+    assert torch.equal(tr.gather_q(q).flatten(), torch.tensor([0.0, 1, 2, 0, 3, 0, 4, 5, 6, 7, 8, 0, 9, 10]))
+    out, lse = tr.scatter(tr.gather_q(q), tr.gather_q(q)[:, :, 0])
+    assert torch.equal(out, q) and torch.equal(lse, q[:, :, 0])
+
+
+def _varlen_case(heads: int, kv_dtype=torch.bfloat16, seed: int = 3):
+    """Requests of mixed q_lens (decodes, drafts, prefix-cache tails) over random pages with poisoned unread slots;
+    q in token order, and each request's float32 reference of its own causal q block."""
+    from mla_backend_plugin.kernels.reference import mla_decode_reference
+
+    query_lens = [1, 3, 16, 2, 9, 1, 5]
+    seq_lens = [9, 300, 16 * 12, 19, 9 + 200, 1, 5 + 3]
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    inp = make_decode_inputs(len(seq_lens), seq_lens, 1, heads, 16, kv_dtype, "cat", "cpu", seed=seed,
+                             kv_scale=0.5 if fp8 else None)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, 576, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    refs, start = [], 0
+    for b, n in enumerate(query_lens):
+        refs.append(mla_decode_reference(q[start:start + n, :, :512], q[start:start + n, :, 512:], inp.kv_caches[0],
+                                         inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n, inp.softmax_scale,
+                                         kv_scale=inp.kv_scale))
+        start += n
+    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    return inp, q, query_lens, qsl, tuple(torch.cat([r[i] for r in refs]) for i in range(2))
+
+
+@pytest.mark.parametrize("heads,kv_dtype", [(128, torch.bfloat16), (16, torch.bfloat16), (32, torch.float8_e4m3fn)])
+def test_token_requests_decode_like_each_requests_q_block(monkeypatch, tmp_path, heads, kv_dtype):
+    """Through the runner (reference kernel): token requests of the tile-filling q_len (1 at 128 heads, 4 at 16, 2
+    at 32) in slices of a small workspace give each request's causal attention, token by token, and the debug check
+    recomputes them request by request."""
+    monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
+    monkeypatch.setenv("CUTE_MLA_CHECK_DIR", str(tmp_path))
+    inp, q, query_lens, qsl, (ref_out, ref_lse) = _varlen_case(heads, kv_dtype)
+    tr = serving.token_requests(qsl, query_lens, inp.seq_lens, inp.block_table, q.shape[0],
+                                q_len=serving.token_request_q_len(heads), max_seq_len=300, block_size=16)
+    ws = serving.make_workspace("cpu", max_num_seqs=3, num_speculative_tokens=0, num_heads=heads,
+                                out_dtype=torch.bfloat16)
+    ws.max_batch = 3  # slices of 3 token requests here (make_workspace would leave room for 128 with token_requests)
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto")
+    calls = []
+    real = serving.mla_decode
+    monkeypatch.setattr(serving, "mla_decode", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    out, lse = runner.decode(q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, token_requests=tr,
+                             kv_scale=inp.kv_scale)
+    assert len(calls) == -(-tr.block_table.shape[0] // 3) > 1 and max(calls) == 3
+    from mla_backend_plugin.testing import assert_close_decode
+
+    assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype)
+    total = serving.read_check_records(str(tmp_path))
+    assert total["calls"] == 1 and total["token_request_calls"] == 1 and total["q_lens"] == {"mixed": 1}
+    assert total["max_rel_err"] < 1e-2 and total["lse_inf_mismatch"] == 0
+
+
+def test_make_workspace_leaves_room_for_token_requests():
+    ws = serving.make_workspace("cpu", max_num_seqs=4, num_speculative_tokens=0, num_heads=16,
+                                out_dtype=torch.bfloat16, token_requests=True)
+    assert (ws.max_batch, ws.max_q_len) == (serving.TOKEN_REQUEST_SLICE, 4)
+    ws = serving.make_workspace("cpu", max_num_seqs=256, num_speculative_tokens=1, num_heads=128,
+                                out_dtype=torch.bfloat16, token_requests=True)
+    assert (ws.max_batch, ws.max_q_len) == (256, 2)
+
+
+def test_runner_runs_more_requests_than_the_workspace_in_slices(monkeypatch):
+    """A q_len 2 step of more requests than the workspace's max_batch runs in slices of max_batch requests (rows of
+    q, out and lse in step), with fresh outputs past the workspace's buffers."""
+    monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
+    lens = [2, 37, 130, 5, 64, 16, 200, 3]
+    inp = make_decode_inputs(len(lens), lens, 2, 16, 16, torch.bfloat16, "pair", "cpu", seed=3)
+    ws = serving.make_workspace("cpu", max_num_seqs=3, num_speculative_tokens=1, num_heads=16,
+                                out_dtype=torch.bfloat16)
+    calls = []
+    real = serving.mla_decode
+    monkeypatch.setattr(serving, "mla_decode", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    out, lse = serving.DecodeRunner(inp.softmax_scale, "auto").decode(inp.q, inp.kv_caches[0], inp.block_table,
+                                                                      inp.seq_lens, ws)
+    assert calls == [3, 3, 2] and out.shape[0] == 16 and out.data_ptr() != ws.out_buffer.data_ptr()
+    from mla_backend_plugin.testing import assert_close_decode
+
+    assert_close_decode(out, lse, *inp.reference(), torch.bfloat16)

@@ -26,7 +26,7 @@ def run_check(*args: str) -> dict:
     return run_result_script(CHECK, *args)
 
 
-def assert_decode_checked(stats: dict, kv_fp8: bool, q_len: int, q_dtype: str) -> None:
+def assert_decode_checked(stats: dict, kv_fp8: bool, q_len: int | str, q_dtype: str) -> None:
     assert list(stats["q_dtypes"]) == [q_dtype], stats["q_dtypes"]
     assert stats["calls"] > 0, "forward_mqa never ran"
     assert str(q_len) in stats["q_lens"], stats["q_lens"]
@@ -64,6 +64,21 @@ def assert_same_generation(a: dict, b: dict, logprob_tol: float) -> None:
     assert a["tokens"] == b["tokens"], (a["tokens"], b["tokens"])
     for lp_a, lp_b in zip(a["logprobs"], b["logprobs"]):
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < logprob_tol
+
+
+def test_prefix_cache_tails_take_the_decode_path():
+    """The uncached tails of prefix-cache hits (5..100 new tokens per request after the cached blocks) run on our
+    decode path as token requests, each call checked request by request against the float32 reference, and
+    generate what the same engine generates when vLLM's prefill path computes them
+    (CUTE_MLA_DECODE_MAX_QUERY_LEN=1); with CUDA graphs too."""
+    ours = run_check("eager", "--prefix-tails")
+    assert ours["stats"]["token_request_calls"] > 0, ours["stats"]
+    assert_decode_checked(ours["stats"], False, "mixed", "torch.bfloat16")
+    via_prefill = run_check("eager", "--prefix-tails", "--decode-max-query-len", "1")
+    assert via_prefill["stats"]["token_request_calls"] == 0, via_prefill["stats"]
+    assert_same_generation(ours, via_prefill, 5e-2)
+    graphs = run_check("graphs", "--prefix-tails")
+    assert_same_generation(ours, graphs, 5e-2)
 
 
 @two_gpus

@@ -417,6 +417,121 @@ def scenario_dcp_refusals() -> None:
         raise AssertionError("48 gathered heads accepted")
 
 
+# ------------------------------------------------------------------------- short prefills on the decode path
+
+
+def _varlen_metadata(builder, block_table, seq_lens: list[int], query_lens: list[int], num_tokens: int | None = None):
+    """builder.build(...) on a batch whose requests bring ``query_lens`` new tokens each (vLLM's reorder put the
+    ones at or under the threshold first), as vLLM's model runner calls it without DCP. ``num_tokens`` > the sum
+    pads the batch with tokens of no request (a full-graph batch's padding)."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    num_tokens = int(qsl[-1]) if num_tokens is None else num_tokens
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    fields = dict(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=lens, num_reqs=len(query_lens),
+        num_actual_tokens=num_tokens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=lens.clone(), _seq_lens_cpu=lens.clone(),
+        _num_computed_tokens_cpu=lens - torch.tensor(query_lens, dtype=torch.int32))
+    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    return builder.build(0, CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known}))
+
+
+def scenario_varlen_decode() -> None:
+    """Requests of up to CUTE_MLA_DECODE_MAX_QUERY_LEN new tokens with KV context (the uncached tail of a prefix-cache
+    hit, drafts of mixed counts) stay on the decode path: vLLM's split keeps them there (VARLEN, threshold 128),
+    the builder recasts the step as token requests (q_len 1 at 128 heads, 4 at 16 heads: TP 8), and the decode
+    (reference kernel, CPU, in slices of the workspace) equals each request's causal attention over its own pages;
+    longer requests go to prefill; uniform MTP batches keep the folded q block and vLLM's tensors (what full CUDA
+    graphs read); the threshold follows the environment and never drops below the speculative q_len."""
+    import functools
+    import json
+
+    import torch
+
+    from mla_backend_plugin.kernels.reference import mla_decode_reference
+    from mla_backend_plugin.ops import serving
+    from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
+
+    os.environ["CUTE_MLA_KERNEL"] = "reference"
+    install_fake_gpu()
+    serving.MLAWorkspace = functools.partial(serving.MLAWorkspace, num_sms=132)
+    # the prefill half's context chunks are vLLM's (pinned host memory: a GPU host's); not what is tested here
+    from vllm.model_executor.layers.attention import mla_attention
+    mla_attention.build_mla_chunked_context_metadata = lambda **kwargs: None
+    mla_attention.PIN_MEMORY = False  # vLLM >= 0.32 pins the prefill lengths' host copy
+    page = 16
+    # decodes (1), drafts of mixed counts (2, 3), prefix-cache tails (16, 41, 128), then a 200-token extend (prefill)
+    query_lens = [1, 3, 1, 2, 16, 41, 128, 200]
+    seq_lens = [7, 300, 1000, 19, 16 * 33 + 16, 41 + 5, 128 + 700, 1200]
+    for tp, heads, group in ((1, 128, 1), (8, 16, 4)):
+        cfg = engine_config("--attention-backend", "CUTE_MLA", "--block-size", str(page), "--max-num-seqs", "4",
+                            "--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp")
+        builder = _make_builder(cfg, page)
+        assert builder.reorder_batch_threshold == 128, builder.reorder_batch_threshold
+        assert builder.workspace.num_heads == heads
+        # room for a slice of 128 token requests of their q_len (vLLM's max_num_seqs is 4)
+        assert (builder.workspace.max_batch, builder.workspace.max_q_len) == (serving.TOKEN_REQUEST_SLICE, group)
+        builder.workspace.max_batch = 4  # slices of 4 token requests here, to run the slicing
+        inp = make_decode_inputs(len(seq_lens), seq_lens, 1, heads, page, torch.bfloat16, "cat", "cpu", 5)
+        meta = _varlen_metadata(builder, inp.block_table, seq_lens, query_lens)
+        assert (meta.num_decodes, meta.num_prefills) == (7, 1), (meta.num_decodes, meta.num_prefills)
+        decode, tokens = meta.decode, sum(query_lens[:7])
+        tr = decode.token_requests
+        assert meta.num_decode_tokens == tokens and tr is not None and tr.q_len == group
+        assert tr.block_table.shape == (sum(-(-n // group) for n in query_lens[:7]), -(-max(seq_lens) // page))
+        assert decode.seq_lens.tolist() == seq_lens[:7]  # the step's own lengths stay the metadata's
+        q = torch.randn(tokens, heads, 576, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        runner = serving.DecodeRunner(inp.softmax_scale, "auto")
+        out, lse = runner.decode(q, inp.kv_cache, decode.block_table, decode.seq_lens, decode.workspace,
+                                 max_seq_len=decode.max_seq_len, token_requests=tr)
+        start = 0
+        for b, n in enumerate(query_lens[:7]):
+            ref_out, ref_lse = mla_decode_reference(q[start:start + n, :, :512], q[start:start + n, :, 512:],
+                                                    inp.kv_cache, inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n,
+                                                    inp.softmax_scale)
+            assert_close_decode(out[start:start + n], lse[start:start + n], ref_out, ref_lse, torch.bfloat16,
+                                msg=f"{heads} heads: request {b} (q_len {n}, seq_len {seq_lens[b]})")
+            start += n
+
+    # A uniform batch of q_len 16 (every request a 16-token tail, the case FlashMLA's UNIFORM threshold serves) is
+    # recast too; a full-graph batch's padding tokens see no key.
+    cfg = engine_config("--attention-backend", "CUTE_MLA", "--block-size", str(page), "--max-num-seqs", "4")
+    builder = _make_builder(cfg, page)
+    meta = _varlen_metadata(builder, inp.block_table[:3], seq_lens[4:7], [16, 16, 16], num_tokens=50)
+    tr = meta.decode.token_requests
+    assert meta.num_decodes == 3 and tr is not None and tr.seq_lens.shape[0] == 50
+    assert tr.seq_lens.tolist()[-2:] == [0, 0]
+
+    # MTP: a uniform q_len 2 batch keeps the folded q block and vLLM's own tensors (what full CUDA graphs read)
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    cfg = engine_config("--attention-backend", "CUTE_MLA", "--block-size", str(page), "--max-num-seqs", "4",
+                        "--speculative-config", json.dumps(spec))
+    builder = _make_builder(cfg, page)
+    meta = _varlen_metadata(builder, inp.block_table[:3], seq_lens[:3], [2, 2, 2])
+    assert meta.decode.token_requests is None and meta.decode.block_table.data_ptr() == inp.block_table.data_ptr()
+    # padding requests of a full-graph batch (0 tokens) keep it uniform
+    meta = _varlen_metadata(builder, inp.block_table[:4], seq_lens[:4], [2, 2, 2, 0], num_tokens=8)
+    assert meta.num_decodes == 4 and meta.decode.token_requests is None
+    meta = _varlen_metadata(builder, inp.block_table[:3], seq_lens[:3], [2, 1, 2])  # a request without drafts
+    assert meta.num_decodes == 3 and meta.decode.token_requests is not None
+
+    os.environ["CUTE_MLA_DECODE_MAX_QUERY_LEN"] = "1"  # vLLM's own threshold: the speculative q_len
+    builder = _make_builder(cfg, page)
+    assert builder.reorder_batch_threshold == 2 and builder.workspace.max_batch == 4
+    os.environ["CUTE_MLA_DECODE_MAX_QUERY_LEN"] = "32"
+    builder = _make_builder(cfg, page)
+    assert builder.reorder_batch_threshold == 32
+    meta = _varlen_metadata(builder, inp.block_table[:3], seq_lens[4:7], [16, 41, 2])
+    assert (meta.num_decodes, meta.num_prefills) == (1, 2), (meta.num_decodes, meta.num_prefills)
+
+
 def scenario_eval_engine_args() -> None:
     """The model-level eval's engine arguments (mla_backend_plugin.evals: a fixed KV cache, n-gram speculation,
     eager or graphs) for every vLLM condition of its device plan make a config through vLLM's own parsing, with

@@ -47,12 +47,15 @@ def install_checker(stats: dict) -> None:
             return out, lse
         decode = attn_metadata.decode
         q_is_fp8 = (q[0] if isinstance(q, tuple) else q).dtype == FP8_DTYPE
-        # DCP with q_len > 1: row_kv_lens holds the limits in local positions
+        # DCP with q_len > 1: row_kv_lens holds the limits in local positions; a step of mixed q_lens (token
+        # requests) is recomputed request by request from vLLM's own block table and lengths
+        token_requests = getattr(decode, "token_requests", None)
         record = serving.reference_check(
             q, serving.kernel_cache(kv_cache, self.runner.kv_cache_dtype), decode.block_table, decode.seq_lens,
             self.scale, out, lse, q_scale=layer._q_scale if q_is_fp8 else None,
             kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None,
-            row_kv_lens=getattr(decode, "row_kv_lens", None))
+            row_kv_lens=getattr(decode, "row_kv_lens", None),
+            query_lens=token_requests.query_lens if token_requests is not None else None)
         record["dcp_world_sizes"] = {str(max(self.dcp_world_size, 1)): 1}
         stats_dir = os.environ.get(STATS_DIR_ENV)
         if stats_dir:
@@ -84,7 +87,14 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     parser.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size (divides --tp)")
     parser.add_argument("--interleave", type=int, default=1, help="cp_kv_cache_interleave_size under DCP")
+    parser.add_argument("--prefix-tails", action="store_true",
+                        help="prefix caching on; the prompts are generated once, then again with 5..100 new tokens "
+                             "appended: vLLM recomputes only each prompt's uncached tail")
+    parser.add_argument("--decode-max-query-len", type=int, default=None,
+                        help="CUTE_MLA_DECODE_MAX_QUERY_LEN (1: the tails take vLLM's prefill path)")
     args = parser.parse_args()
+    if args.decode_max_query_len is not None:
+        os.environ["CUTE_MLA_DECODE_MAX_QUERY_LEN"] = str(args.decode_max_query_len)
     if args.fp8_query:
         os.environ["CUTE_MLA_FP8_QUERY"] = "1"
     stats_dir = None
@@ -100,7 +110,7 @@ def main() -> None:
 
     stats = {"calls": 0, "q_lens": {}, "q_dtypes": {}, "max_rel_err": 0.0, "max_lse_err": 0.0,
              "lse_inf_mismatch": 0, "max_seq_len": 0, "heads": {}, "dcp_world_sizes": {}, "row_kv_lens_calls": 0,
-             "workers": 0}
+             "token_request_calls": 0, "workers": 0}
     if args.mode == "eager":
         install_checker(stats)
     extra = {}
@@ -114,6 +124,8 @@ def main() -> None:
     if args.dcp > 1:
         extra["decode_context_parallel_size"] = args.dcp
         extra["cp_kv_cache_interleave_size"] = args.interleave
+    if args.prefix_tails:
+        extra["enable_prefix_caching"] = True
     llm = LLM(model=MODEL_DIR, attention_backend=args.backend, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=args.mode == "eager", kv_cache_dtype=args.kv_cache_dtype, max_model_len=4096,
               max_num_seqs=32, gpu_memory_utilization=0.4, seed=0, **extra)
@@ -122,6 +134,12 @@ def main() -> None:
                for i, n in enumerate([1, 5, 17, 64, 100, 333, 1000, 2047])]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
                             logprobs=1)
+    if args.prefix_tails:
+        # cache the prompts, then extend each by 5..100 tokens: every full cached block is reused and the rest
+        # (the new tokens plus the partial last block) is one short extend per request
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False))
+        prompts = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"] + [(7 * i + 3 * j) % 4000 + 2 for j in range(n)])
+                   for i, (p, n) in enumerate(zip(prompts, [5, 9, 17, 40, 100, 33, 64, 21]))]
     results = llm.generate(prompts, params)
     if stats_dir:
         collect_worker_stats(stats, stats_dir)

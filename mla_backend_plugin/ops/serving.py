@@ -9,10 +9,12 @@ the engine's decode shapes, prepared on the first decode call not being captured
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 
+import numpy as np
 import torch
 
 from mla_backend_plugin import BACKEND_NAME, envs
@@ -47,6 +49,136 @@ def max_decode_q_len(num_speculative_tokens: int | None) -> int:
             f"{BACKEND_NAME}: num_speculative_tokens={num_spec} gives {q_len} query tokens per decode step; "
             f"{BACKEND_NAME} supports at most {MAX_Q_LEN} (num_speculative_tokens <= {MAX_Q_LEN - 1})")
     return q_len
+
+
+# Token requests (``TokenRequests``) per decode launch at least: an engine whose max_num_seqs is smaller gets a
+# workspace of this many requests when it decodes short prefills, so that a 100-token tail is one or two launches
+# (128 requests x 2 m-blocks fill an H100) rather than one per max_num_seqs tokens.
+TOKEN_REQUEST_SLICE = 128
+# Query rows (q_len x heads) one CTA of the CuTe kernels owns (cute_sm90, and each CTA of cute_sm100's pair):
+# token requests take this many rows of query tokens, so that small head counts fill the tile as MTP does.
+TOKEN_REQUEST_ROWS = 64
+
+
+def decode_query_len_threshold(num_speculative_tokens: int | None, dcp_world_size: int = 1) -> int:
+    """The most new tokens a request may bring and still be decoded (the engine's reorder threshold): at least the
+    speculative q_len; without decode context parallelism up to ``CUTE_MLA_DECODE_MAX_QUERY_LEN`` (a batch of mixed
+    q_lens, or of q_len above MAX_Q_LEN, runs as token requests: ``TokenRequests``)."""
+    q_len = max_decode_q_len(num_speculative_tokens)
+    if dcp_world_size > 1:
+        return q_len  # token requests would need per-token local lengths on every rank: not built
+    return max(q_len, envs.CUTE_MLA_DECODE_MAX_QUERY_LEN)
+
+
+def token_request_q_len(num_heads: int) -> int:
+    """Query tokens per token request: as many as fill TOKEN_REQUEST_ROWS rows (4 at 16 heads, 1 from 64 heads on,
+    where every token's heads fill whole CTAs by themselves)."""
+    return max(1, min(MAX_Q_LEN, TOKEN_REQUEST_ROWS // num_heads))
+
+
+def uniform_query_len(query_lens, num_tokens: int) -> int | None:
+    """The q_len every request of a decode batch has, or None when they differ. ``query_lens``: the host's
+    per-request token counts; an engine's padding requests of a full-CUDA-graph batch count 0 (vLLM) and take
+    the batch's q_len, since ``num_tokens`` counts their padding tokens."""
+    lens = np.asarray(query_lens)
+    if lens.size == 0 or num_tokens % lens.size:
+        return None
+    q_len = num_tokens // lens.size
+    if (lens == q_len).all():  # the common case first: a builder runs this every step (~3 us)
+        return q_len
+    return q_len if bool(((lens == q_len) | (lens == 0)).all()) else None
+
+
+@dataclasses.dataclass
+class TokenRequests:
+    """A decode batch of any q_lens recast as requests of at most ``q_len`` consecutive query tokens of one request
+    each (one call of uniform q_len): request r's block-table row is its request's, row t sees the keys the causal
+    rule gives that token (``row_kv_lens``; the keys of the last one are ``seq_lens[r]``), rows past a request's
+    last token see none. With ``q_len`` 1 the tokens are the requests (no gather). Built by ``token_requests``."""
+
+    block_table: torch.Tensor  # [R, cols] int32
+    seq_lens: torch.Tensor  # [R] int32
+    q_len: int
+    num_tokens: int
+    query_lens: list[int]  # the step's own requests' token counts (host), for the reference check
+    row_kv_lens: torch.Tensor | None = None  # [R, q_len] int32 when q_len > 1
+    rows: torch.Tensor | None = None  # [R * q_len] int64: the query token of each row (0 for a row past the end)
+    row_of_token: torch.Tensor | None = None  # [num_tokens] int64: each query token's row
+
+    def gather_q(self, q):
+        """q ([num_tokens, H, D] or the (q_nope, q_pe) pair) in rows of the token requests."""
+        if self.rows is None:
+            return q
+        return tuple(_take(t, self.rows) for t in q) if isinstance(q, (tuple, list)) else _take(q, self.rows)
+
+    def scatter(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs in rows of the token requests back in token order."""
+        if self.row_of_token is None:
+            return out, lse
+        return out.index_select(0, self.row_of_token), lse.index_select(0, self.row_of_token)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of t (an fp8 tensor through its bytes: not every index kernel takes e4m3)."""
+    if t.dtype == FP8_DTYPE:
+        return t.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)
+    return t.index_select(0, index)
+
+
+def token_requests(query_start_loc: torch.Tensor, query_lens, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                   num_tokens: int, q_len: int = 1, max_seq_len: int | None = None,
+                   block_size: int | None = None) -> TokenRequests:
+    """Recast a decode batch (request b brings ``query_lens[b]`` tokens, from ``query_start_loc[b]`` on, and has
+    ``seq_lens[b]`` keys with them) as ``TokenRequests`` of ``q_len`` tokens. Token t of request b sees
+    ``seq_len_b - q_len_b + t + 1`` keys, exactly the causal rule of a folded q block; tokens past the last
+    request's (an engine's padding) see none. At q_len 1 and >= 64 heads, and at q_len = 64 / heads below
+    (``token_request_q_len``), each token request fills its CTAs' rows as a folded q block does, so the KV read
+    per query token is the same (the requests of one request's tokens read its pages from L2 mostly).
+
+    ``query_start_loc``: device ``[B + 1]``; ``query_lens``: the same counts on the host (they size the result:
+    no device sync). ``max_seq_len`` / ``block_size`` (host ints), when given, keep only the block-table columns a
+    request can use. Device ops only."""
+    device = seq_lens.device
+    query_lens = own_query_lens = [int(n) for n in query_lens]
+    num_requests = len(query_lens)
+    padding = num_tokens - sum(query_lens)
+    if padding < 0 or num_requests == 0:
+        raise ValueError(f"token_requests: {num_tokens} tokens for query lengths {query_lens}")
+    if max_seq_len is not None and block_size is not None:
+        block_table = block_table[:, :max(1, min(block_table.shape[1], -(-int(max_seq_len) // block_size)))]
+    starts = query_start_loc[:num_requests + 1].to(torch.int64)
+    lens = seq_lens[:num_requests].to(torch.int64)
+    if padding:  # the padding tokens as one more request with no keys
+        starts = torch.cat([starts, starts.new_full((1,), num_tokens)])
+        lens = torch.cat([lens, lens.new_zeros(1)])
+        query_lens = query_lens + [padding]
+        block_table = torch.cat([block_table, block_table[:1]])
+    counts = starts[1:] - starts[:-1]
+    if q_len == 1:
+        token = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        request = torch.searchsorted(starts[1:], token, right=True)  # b with starts[b + 1] > token >= starts[b]
+        keys = (lens[request] - (starts[1:][request] - token) + 1).clamp_(min=0).to(torch.int32)
+        return TokenRequests(block_table=block_table.index_select(0, request).contiguous(), seq_lens=keys, q_len=1,
+                             num_tokens=num_tokens, query_lens=own_query_lens)
+    # request b takes cdiv(q_len_b, q_len) token requests, the first at first_b = sum of those of b' < b
+    num_rows = sum(-(-n // q_len) for n in query_lens)
+    per_request = torch.div(counts + q_len - 1, q_len, rounding_mode="floor")
+    last = torch.cumsum(per_request, 0)  # one past each request's last token request
+    first = last - per_request
+    r = torch.arange(num_rows, dtype=torch.int64, device=device)
+    request = torch.searchsorted(last, r, right=True)
+    offset = (r - first[request])[:, None] * q_len + torch.arange(q_len, dtype=torch.int64, device=device)
+    valid = offset < counts[request][:, None]  # [R, q_len]
+    keys = torch.where(valid, lens[request][:, None] - counts[request][:, None] + offset + 1, 0).clamp_(min=0)
+    token = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    owner = torch.searchsorted(starts[1:], token, right=True)
+    within = token - starts[owner]
+    return TokenRequests(
+        block_table=block_table.index_select(0, request).contiguous(),
+        seq_lens=keys.max(dim=1).values.to(torch.int32), q_len=q_len, num_tokens=num_tokens,
+        query_lens=own_query_lens, row_kv_lens=keys.to(torch.int32).contiguous(),
+        rows=torch.where(valid, starts[request][:, None] + offset, 0).reshape(-1),
+        row_of_token=(first[owner] + torch.div(within, q_len, rounding_mode="floor")) * q_len + within % q_len)
 
 
 def check_num_heads(num_heads: int, dcp_world_size: int = 1) -> int:
@@ -135,14 +267,20 @@ def unsupported_reasons(*, head_size=None, dtype=None, kv_cache_dtype=None, bloc
 
 
 def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | None, num_heads: int,
-                   out_dtype: torch.dtype) -> MLAWorkspace:
+                   out_dtype: torch.dtype, token_requests: bool = False) -> MLAWorkspace:
     """The workspace of one engine: split-KV partials for up to ``max_num_seqs`` requests of the decode q_len,
     and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture.
-    ``num_heads``: the query heads of one decode call (under DCP the rank's heads x the DCP size)."""
+    ``num_heads``: the query heads of one decode call (under DCP the rank's heads x the DCP size).
+    ``token_requests``: the engine also decodes short prefills (``TokenRequests``): room for slices of at least
+    TOKEN_REQUEST_SLICE requests of their q_len."""
     check_num_heads(num_heads)
+    max_batch, max_q_len = max_num_seqs, max_decode_q_len(num_speculative_tokens)
+    if token_requests:
+        max_batch = max(max_batch, TOKEN_REQUEST_SLICE)
+        max_q_len = max(max_q_len, token_request_q_len(num_heads))
     # room for every split cap a tuned launch config may ask for (the default cap stays the workspace's)
-    return MLAWorkspace(device, max_batch=max_num_seqs, max_q_len=max_decode_q_len(num_speculative_tokens),
-                        num_heads=num_heads, out_dtype=out_dtype, split_capacity=SPLIT_CAPACITY)
+    return MLAWorkspace(device, max_batch=max_batch, max_q_len=max_q_len, num_heads=num_heads, out_dtype=out_dtype,
+                        split_capacity=SPLIT_CAPACITY)
 
 
 def kernel_cache(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
@@ -250,53 +388,113 @@ class DecodeRunner:
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
-               tuning: DeploymentTuning | None = None,
-               row_kv_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               tuning: DeploymentTuning | None = None, row_kv_lens: torch.Tensor | None = None,
+               token_requests: TokenRequests | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``max_seq_len``: the step's longest KV length when the engine knows it on the host (picks the tuned
         choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook.
-        ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``)."""
+        ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``). ``token_requests``:
+        a step of mixed q_lens recast by ``token_requests`` (what is launched; ``block_table`` and ``seq_lens``
+        stay the step's own, per request). q and the returned outputs are in token order either way."""
         if tuning is not None:
             tuning.run_once(workspace.device)
             if not tuning.host_lengths:
                 max_seq_len = None
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
-        num_tokens = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
-        out, lse = workspace.output_views(num_tokens)
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
         q_scale = dequant_scale(q_scale) if q_is_fp8 else None
         kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
-        mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, q_scale=q_scale,
-                   kv_scale=kv_scale, out=out, lse=lse, workspace=workspace, kernel=self.kernel,
-                   max_seq_len=max_seq_len, row_kv_lens=row_kv_lens)
+        scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len)
+        if token_requests is None:
+            out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, **scales)
+        else:
+            tr = token_requests
+            out, lse = tr.scatter(*self._launch(tr.gather_q(q), cache, tr.block_table, tr.seq_lens, tr.row_kv_lens,
+                                                workspace, **scales))
         if self.check_dir and not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             record = reference_check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse,
-                                     q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens)
+                                     q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens,
+                                     query_lens=token_requests.query_lens if token_requests is not None else None)
             append_check_record(self.check_dir, record)
         return out, lse
+
+    def _launch(self, q, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """mla_decode into the workspace's output buffers (fresh outputs past them). A batch of more requests than
+        the workspace holds (token requests) runs in slices of at most max_batch requests, each writing its rows."""
+        num_rows = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
+        out, lse = self._outputs(workspace, num_rows, q)
+        batch = block_table.shape[0]
+        if batch <= workspace.max_batch:
+            mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, out=out, lse=lse,
+                       workspace=workspace, kernel=self.kernel, row_kv_lens=row_kv_lens, **kwargs)
+            return out, lse
+        q_len = num_rows // batch
+        for start in range(0, batch, workspace.max_batch):
+            part = slice(start, min(batch, start + workspace.max_batch))
+            rows = slice(part.start * q_len, part.stop * q_len)
+            mla_decode(_rows(q, rows), cache, block_table[part], seq_lens[part], softmax_scale=self.softmax_scale,
+                       out=out[rows], lse=lse[rows], workspace=workspace, kernel=self.kernel,
+                       row_kv_lens=row_kv_lens[part] if row_kv_lens is not None else None, **kwargs)
+        return out, lse
+
+    @staticmethod
+    def _outputs(workspace: MLAWorkspace, num_tokens: int, q) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the workspace's output buffers; a step of more query tokens than they hold (short prefills on
+        the decode path, eager only) gets fresh tensors, as vLLM's own prefill path allocates its outputs."""
+        if workspace.out_buffer is None or num_tokens <= workspace.out_buffer.shape[0]:
+            return workspace.output_views(num_tokens)
+        if workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"mla_decode: {num_tokens} query tokens exceed the workspace's output buffers "
+                               f"({workspace.out_buffer.shape[0]} rows) inside CUDA-graph capture")
+        heads = (q[0] if isinstance(q, (tuple, list)) else q).shape[1]
+        return (torch.empty(num_tokens, heads, KV_LORA_RANK, dtype=workspace.out_buffer.dtype, device=workspace.device),
+                torch.empty(num_tokens, heads, dtype=torch.float32, device=workspace.device))
+
+
+def _rows(q, part: slice):
+    """Query tokens ``part`` of q in either form (a tensor or the (q_nope, q_pe) pair)."""
+    return tuple(t[part] for t in q) if isinstance(q, (tuple, list)) else q[part]
 
 
 def reference_check(q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *, q_scale=None, kv_scale=None,
-                    row_kv_lens: torch.Tensor | None = None) -> dict:
+                    row_kv_lens: torch.Tensor | None = None, query_lens: list[int] | None = None) -> dict:
     """One decode call recomputed with the float32 reference on the very inputs the engine passed: the
     relative error of the output (Frobenius), the largest LSE error where the reference LSE is finite, and
     whether the infinite LSEs (rows with no key) agree. Plus what the call was (q_len, dtypes, heads, longest
     length), so a test can check which paths an engine exercised. Summed across calls by
-    ``merge_check_records``."""
+    ``merge_check_records``. ``query_lens``: a step of mixed q_lens (request b's tokens follow request b - 1's;
+    tokens past them are padding and not compared): each request's q block is recomputed on its own, so what is
+    checked does not depend on how the step was launched (``TokenRequests``)."""
     from mla_backend_plugin.kernels.reference import mla_decode_reference
 
     q_nope, q_pe = q if isinstance(q, (tuple, list)) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
-    q_len = q_nope.shape[0] // block_table.shape[0]
-    ref_out, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, q_len, softmax_scale,
-                                            q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens)
+    kwargs = dict(q_scale=q_scale, kv_scale=kv_scale)
+    if query_lens is None:
+        q_len = q_nope.shape[0] // block_table.shape[0]
+        q_lens = {str(q_len): 1}
+        ref_out, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, q_len, softmax_scale,
+                                                row_kv_lens=row_kv_lens, **kwargs)
+    else:
+        parts, start = [], 0
+        for b, n in enumerate(query_lens):
+            if n:
+                parts.append(mla_decode_reference(q_nope[start:start + n], q_pe[start:start + n], kv_cache,
+                                                  block_table[b:b + 1], seq_lens[b:b + 1], n, softmax_scale, **kwargs))
+            start += n
+        ref_out, ref_lse = (torch.cat([p[i] for p in parts]) for i in range(2))
+        out, lse = out[:start], lse[:start]
+        q_lens = {"mixed": 1}
     rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
     finite = torch.isfinite(ref_lse)
     lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-    return {"calls": 1, "q_lens": {str(q_len): 1}, "max_rel_err": rel, "max_lse_err": lse_err,
+    return {"calls": 1, "q_lens": q_lens, "max_rel_err": rel, "max_lse_err": lse_err,
             "lse_inf_mismatch": int(not torch.equal(torch.isinf(lse), ~finite)),
             "q_dtypes": {str(q_nope.dtype): 1}, "kv_dtypes": {str(kv_cache.dtype): 1},
             "block_sizes": {str(kv_cache.shape[1]): 1}, "max_seq_len": int(seq_lens.max().item()),
-            "heads": {str(q_nope.shape[1]): 1}, "row_kv_lens_calls": int(row_kv_lens is not None)}
+            "heads": {str(q_nope.shape[1]): 1}, "row_kv_lens_calls": int(row_kv_lens is not None),
+            "token_request_calls": int(query_lens is not None)}
 
 
 def append_check_record(check_dir: str, record: dict) -> None:

@@ -15,7 +15,7 @@ from vllm.config import VllmConfig
 
 from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import serving
-from mla_backend_plugin.ops.constants import QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
+from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
 from mla_backend_plugin.ops.workspace import MLAWorkspace
 from mla_backend_plugin.vllm import compat  # every vLLM class this module builds on, version-resolved
 
@@ -28,6 +28,10 @@ class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     # decode context parallelism with q_len > 1: [B, q_len] keys of this rank's shard each query row sees (a
     # view of the builder's persistent buffer); None otherwise (seq_lens alone gives every row's limit)
     row_kv_lens: torch.Tensor | None = None
+    # a batch of mixed q_lens or of q_len > MAX_Q_LEN (short prefills after a prefix-cache hit, drafts of mixed
+    # counts), recast as requests of a few consecutive query tokens each (serving.token_requests): what decode
+    # launches; block_table and seq_lens stay the step's own
+    token_requests: serving.TokenRequests | None = None
 
 
 @dataclasses.dataclass
@@ -36,10 +40,13 @@ class CuteMLAMetadata(compat.MLACommonMetadata[CuteMLADecodeMetadata]):
 
 
 class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
-    # Every request of a decode batch has the same q_len (1 + speculative tokens), so one graph per batch
-    # size serves all replays: the kernels read seq_lens and block tables on the device.
+    # Full CUDA graphs serve uniform decode batches (q_len 1 + speculative tokens), one graph per batch size: the
+    # kernels read seq_lens and block tables on the device. Decode also takes requests of other q_lens (VARLEN)
+    # up to reorder_batch_threshold: vLLM runs those steps eagerly, and the builder turns them into one q_len 1
+    # request per query token (serving.token_requests), so the tail of a prefix-cache hit or a step of mixed
+    # draft counts never takes vLLM's prefill path, which would up-project each request's whole context.
     _cudagraph_support: ClassVar[compat.AttentionCGSupport] = compat.AttentionCGSupport.UNIFORM_BATCH
-    query_len_support: ClassVar[compat.QueryLenSupport] = compat.QueryLenSupport.UNIFORM
+    query_len_support: ClassVar[compat.QueryLenSupport] = compat.QueryLenSupport.VARLEN
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
         # Decode context parallelism (DCP): vLLM hands decode this rank's local lengths (seq_lens) and the
@@ -52,12 +59,20 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
         spec = vllm_config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        # vLLM set the threshold to the speculative q_len (or 1 under DCP without varlen support)
+        self.reorder_batch_threshold = max(self.reorder_batch_threshold or 1,
+                                           serving.decode_query_len_threshold(num_spec, self.dcp_world_size))
+        if self.dcp_world_size > 1:
+            self.query_len_support = compat.QueryLenSupport.UNIFORM  # token requests are not built for DCP
+        self.kernel_block_size = kv_cache_spec.block_size  # vLLM hands builders the kernel block size
         # Allocated once, before warm-up and CUDA-graph capture: split-KV partials and the outputs that
         # forward_mqa returns views of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM).
+        # With short prefills on the decode path it also serves their slices of token requests.
         self.workspace = serving.make_workspace(
             device, max_num_seqs=max_num_seqs, num_speculative_tokens=num_spec,
             num_heads=serving.check_num_heads(self.num_heads, self.dcp_world_size),
-            out_dtype=vllm_config.model_config.dtype)
+            out_dtype=vllm_config.model_config.dtype,
+            token_requests=self.reorder_batch_threshold > serving.max_decode_q_len(num_spec))
         # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
         # CUTE_MLA_AUTOTUNE=1 tuned) on the first eager decode call, which vLLM makes before capturing graphs.
         # With full decode graphs the choice must not follow the step's lengths: vLLM's eager warm-up of each
@@ -74,6 +89,19 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
         dcp_tot_seq_lens = compat.dcp_tot_seq_lens(kwargs)
+        if self.dcp_world_size == 1:
+            num_tokens = kwargs["num_decode_tokens"]
+            query_lens = compat.decode_query_lens(kwargs)
+            q_len = serving.uniform_query_len(query_lens, num_tokens)
+            if q_len is None or q_len > MAX_Q_LEN:  # vLLM runs such a step eagerly
+                token_requests = serving.token_requests(
+                    compat.decode_query_start_loc(kwargs), query_lens, seq_lens_device, block_table_tensor,
+                    num_tokens, q_len=serving.token_request_q_len(self.workspace.num_heads),
+                    max_seq_len=compat.decode_max_seq_len(kwargs), block_size=self.kernel_block_size)
+                return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
+                                             dcp_tot_seq_lens=None, workspace=self.workspace,
+                                             max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
+                                             token_requests=token_requests)
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens, workspace=self.workspace,
                                      max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
@@ -160,7 +188,8 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         # DCP, seq_lens are this rank's local lengths and vLLM merges the ranks' outputs with the returned LSE.
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
                                   q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
-                                  tuning=decode.tuning, row_kv_lens=decode.row_kv_lens)
+                                  tuning=decode.tuning, row_kv_lens=decode.row_kv_lens,
+                                  token_requests=decode.token_requests)
 
 
 class CuteMLABackend(compat.MLACommonBackend):

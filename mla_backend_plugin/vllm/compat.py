@@ -78,6 +78,18 @@ def decode_q_len(build_decode_kwargs: dict, num_decodes: int) -> int:
     return num_tokens // num_decodes
 
 
+def decode_query_lens(build_decode_kwargs: dict):
+    """Each decode request's new tokens (a numpy array), from the host copy of query_start_loc ``_build_decode``
+    receives (no device sync; full-graph padding requests have 0)."""
+    starts = build_decode_kwargs["query_start_loc_cpu"].numpy()
+    return starts[1:] - starts[:-1]
+
+
+def decode_query_start_loc(build_decode_kwargs: dict):
+    """The device copy of the decode requests' query_start_loc (``[num_decodes + 1]``)."""
+    return build_decode_kwargs["query_start_loc_device"]
+
+
 def dcp_rank() -> int:
     """This process's rank in the decode-context-parallel group (0 when the group is not initialised)."""
     from vllm.distributed.parallel_state import get_dcp_group
