@@ -192,14 +192,15 @@ def mixed_steps(batch: int, context: int, max_batched_tokens: int) -> int:
     return -(-batch * context // prefill_per_step)
 
 
-def prompt_length(context: int, prefix_caching: bool) -> int:
-    """With prefix caching, one token past the context: vLLM reuses whole cached blocks and recomputes the rest, so
-    a prompt of a multiple of the block size plus one token leaves exactly one token to compute per request (every
-    supported block size divides the contexts). That first step of a timed run is then a q_len 1 decode for every
-    backend; with a longer tail it would be a short prefill, which vLLM's FA3 and FlashMLA backends run through
-    their decode kernels (up to 512 / 128 query tokens) and a q_len <= 4 backend through the prefill path (that
-    step's run-to-run variation then swamps the differenced decode step)."""
-    return context + 1 if prefix_caching else context
+def prompt_length(context: int, prefix_caching: bool, tail: int = 1) -> int:
+    """With prefix caching, ``tail`` tokens past the context: vLLM reuses whole cached blocks and recomputes the
+    rest, so a prompt of a multiple of the block size plus ``tail`` tokens leaves exactly ``tail`` tokens to compute
+    per request (every supported block size divides the contexts). With the default tail of 1 the first step of a
+    timed run is a q_len 1 decode for every backend. A longer tail (``--prefix-tail``) makes that step a short
+    prefill with the whole context cached (what a multi-turn chat's next turn is): vLLM's FA3 and FlashMLA backends
+    run it through their decode kernels (up to 512 / 128 query tokens), CUTE_MLA as one q_len 1 request per token
+    up to CUTE_MLA_DECODE_MAX_QUERY_LEN; its time is the row's ``t1_s``."""
+    return context + tail if prefix_caching else context
 
 
 def run_lengths(batch: int, context: int, max_batched_tokens: int) -> tuple[int, int]:
@@ -240,9 +241,12 @@ def worker(args) -> None:
     for context in args.contexts:
         for batch in args.batches:
             prompts = [TokensPrompt(prompt_token_ids=p)
-                       for p in _prompts(batch, prompt_length(context, args.prefix_caching), args.worker_spec, 0)]
+                       for p in _prompts(batch, prompt_length(context, args.prefix_caching, args.prefix_tail),
+                                         args.worker_spec, 0)]
             row = measure_cell(llm, SamplingParams, prompts, timers, args, batch, context)
             row.update(start_s=round(start_s, 1), layers=layers, prefix_caching=args.prefix_caching)
+            if args.prefix_caching:
+                row["prefix_tail"] = args.prefix_tail
             print("ROW " + json.dumps(row), flush=True)
     print("DONE", flush=True)
 
@@ -305,7 +309,7 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
            str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens)] \
         + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []) \
         + (["--eager"] if args.eager else []) \
-        + (["--prefix-caching"] if args.prefix_caching else []) \
+        + (["--prefix-caching", "--prefix-tail", str(args.prefix_tail)] if args.prefix_caching else []) \
         + (["--kernel-profile"] if args.kernel_profile else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -446,6 +450,16 @@ def render(out_dir: Path) -> Path:
             lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
                          f"{r.get('build_decode_us_per_step', '-')} | {builder_mixed} | {per_call} |")
         lines.append("")
+    tails = [r for r in timed if (r.get("prefix_tail") or 1) > 1]
+    if tails:
+        lines += ["## The step after a prefix-cache hit", "",
+                  "`t1_s`: one generated token for a batch whose prompts are cached but for their last `tail` tokens "
+                  "(a short prefill over the whole cached context, then the first token; medians).", "",
+                  "| backend | S | B | tail | n-gram | t1 s |", "|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(tails, key=lambda r: (r["context"], r["batch"], r["prefix_tail"], r["spec"], r["backend"])):
+            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['prefix_tail']} | {r['spec']} | "
+                         f"{r['t1_s']:.4f} |")
+        lines.append("")
     profiled = [r for r in timed if "gpu_busy_ms" in r]
     if profiled:
         lines += ["## Where a decode step goes (CUPTI kernel trace, per decode step: the long run minus the short one)",
@@ -535,6 +549,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix-caching", action="store_true",
                         help="prefix caching on: the timed generations find the prompts cached (the GPU-bound "
                              "regime of many layers fits in a device call)")
+    parser.add_argument("--prefix-tail", type=int, default=1,
+                        help="with --prefix-caching: tokens each prompt brings past its cached context (1: the first "
+                             "timed step is a decode; more: a short prefill over a cached context, its time t1_s)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (default: the "
                         "largest batch; --start-times: the largest of --batches)")
     parser.add_argument("--max-batched-tokens", type=int, default=16384,
