@@ -424,6 +424,10 @@ def _varlen_metadata(builder, block_table, seq_lens: list[int], query_lens: list
     """builder.build(...) on a batch whose requests bring ``query_lens`` new tokens each (vLLM's reorder put the
     ones at or under the threshold first), as vLLM's model runner calls it without DCP. ``num_tokens`` > the sum
     pads the batch with tokens of no request (a full-graph batch's padding)."""
+    return builder.build(0, _common_metadata(block_table, seq_lens, query_lens, num_tokens))
+
+
+def _common_metadata(block_table, seq_lens: list[int], query_lens: list[int], num_tokens: int | None = None):
     import dataclasses
 
     import torch
@@ -440,7 +444,7 @@ def _varlen_metadata(builder, block_table, seq_lens: list[int], query_lens: list
         seq_lens_cpu_upper_bound=lens.clone(), _seq_lens_cpu=lens.clone(),
         _num_computed_tokens_cpu=lens - torch.tensor(query_lens, dtype=torch.int32))
     known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-    return builder.build(0, CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known}))
+    return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known})
 
 
 def scenario_varlen_decode() -> None:
@@ -508,6 +512,16 @@ def scenario_varlen_decode() -> None:
     tr = meta.decode.token_requests
     assert meta.num_decodes == 3 and tr is not None and tr.seq_lens.shape[0] == 50
     assert tr.seq_lens.tolist()[-2:] == [0, 0]
+
+    # full CUDA graphs are captured for uniform batches only: a mixed one is refused, not replayed stale
+    assert builder.build_for_cudagraph_capture(
+        _common_metadata(inp.block_table[:3], seq_lens[:3], [1, 1, 1])).decode.token_requests is None
+    try:
+        builder.build_for_cudagraph_capture(_common_metadata(inp.block_table[:3], seq_lens[4:7], [16, 16, 2]))
+    except RuntimeError as e:
+        assert "full graphs serve uniform decode batches only" in str(e), e
+    else:
+        raise AssertionError("a full CUDA graph of token requests was built")
 
     # MTP: a uniform q_len 2 batch keeps the folded q block and vLLM's own tensors (what full CUDA graphs read)
     spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 4}

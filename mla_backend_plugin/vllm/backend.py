@@ -86,6 +86,14 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
         self.row_kv_lens_buffer = (torch.zeros(max_num_seqs * max_q_len, dtype=torch.int32, device=device)
                                    if self.dcp_world_size > 1 and max_q_len > 1 else None)
 
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> CuteMLAMetadata:
+        metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        if metadata.decode is not None and metadata.decode.token_requests is not None:
+            # token requests are tensors made per step: a graph would replay stale ones
+            raise RuntimeError(f"{BACKEND_NAME}: a full CUDA graph of a decode batch of mixed q_lens (or q_len > "
+                               f"{MAX_Q_LEN}) was requested; full graphs serve uniform decode batches only")
+        return metadata
+
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
         dcp_tot_seq_lens = compat.dcp_tot_seq_lens(kwargs)

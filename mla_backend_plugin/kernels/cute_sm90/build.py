@@ -25,7 +25,8 @@ from mla_backend_plugin.ops.manifest import VariantResult
 def serving_variants() -> list[Variant]:
     """What DeepSeek deployments on vLLM call: bf16 q/out, bf16 or fp8 cache (vLLM passes the fp8 scale as a
     device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64; plus the other
-    page sizes, fp16 and an fp8 q at one shape each, and the per-row key-count variants of DCP with MTP."""
+    page sizes, fp16 and an fp8 q at one shape each, and the per-row key-count variants of DCP with MTP and of
+    short prefills at 16 and 32 heads."""
     out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8")
            for kv, h, q in itertools.product(("bf16", "fp8"), (16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("bf16", "bf16", "bf16", 128, 1, bs, False, False) for bs in (16, 32, 128)]
@@ -38,9 +39,11 @@ def serving_variants() -> list[Variant]:
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
     # the lock-step schedule of 16-bit caches (CUTE_MLA_SM90_SCHEDULE=lockstep) at the main shapes
     out += [Variant("bf16", "bf16", "bf16", 128, q, 64, False, False, schedule="lockstep") for q in (1, 2)]
-    # decode context parallelism with MTP (per-row key counts), 128 heads per kernel call (e.g. TP8 x DCP8)
-    out += [Variant(kv, "bf16", "bf16", 128, q, 64, False, kv == "fp8", fp8_mma=mma, row_kv_lens=True)
-            for (kv, mma), q in itertools.product((("bf16", False), ("fp8", True), ("fp8", False)), (2, 4))]
+    # per-row key counts: decode context parallelism with MTP, 128 heads per kernel call (e.g. TP8 x DCP8), and
+    # vLLM's short prefills as token requests of 4 tokens at 16 heads (TP8) and 2 at 32 (ops/serving.py)
+    rows = (("bf16", False), ("fp8", True), ("fp8", False))
+    out += [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=mma, row_kv_lens=True)
+            for (kv, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
     return out
 
 
