@@ -42,9 +42,9 @@ class CuteMLAMetadata(compat.MLACommonMetadata[CuteMLADecodeMetadata]):
 class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
     # Full CUDA graphs serve uniform decode batches (q_len 1 + speculative tokens), one graph per batch size: the
     # kernels read seq_lens and block tables on the device. Decode also takes requests of other q_lens (VARLEN)
-    # up to reorder_batch_threshold: vLLM runs those steps eagerly, and the builder turns them into one q_len 1
-    # request per query token (serving.token_requests), so the tail of a prefix-cache hit or a step of mixed
-    # draft counts never takes vLLM's prefill path, which would up-project each request's whole context.
+    # up to reorder_batch_threshold: vLLM runs those steps eagerly, and the builder recasts them as token requests
+    # (serving.token_requests: 64 / heads consecutive tokens of one request each), so the tail of a prefix-cache
+    # hit or a step of mixed draft counts never takes vLLM's prefill path, which up-projects the whole context.
     _cudagraph_support: ClassVar[compat.AttentionCGSupport] = compat.AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[compat.QueryLenSupport] = compat.QueryLenSupport.VARLEN
 
