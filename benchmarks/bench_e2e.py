@@ -18,7 +18,8 @@ adds per step while prompts still prefill ((t(n_short) - t(1)) / (n_short - 1): 
 For CUTE_MLA also the host time per decode step in our metadata builder and in ``forward_mqa`` (a replayed step
 calls the builder once and ``forward_mqa`` never). ``--kernel-profile`` adds a CUPTI trace of the two runs: GPU
 busy time, attention-kernel time and the heaviest kernels per decode step.
-``CUTE_MLA:<kernel>`` runs CUTE_MLA with ``CUTE_MLA_KERNEL=<kernel>``.
+``CUTE_MLA:<kernel>`` runs CUTE_MLA with ``CUTE_MLA_KERNEL=<kernel>``; ``/VAR=VALUE`` suffixes set environment variables
+for that engine alone (``CUTE_MLA/CUTE_MLA_DECODE_MAX_QUERY_LEN=1``: short prefills through vLLM's prefill path).
 
 With few layers the step is bound by vLLM's host work (the GPU idles for milliseconds of each step and that idle
 time moves between runs); a real DeepSeek-V3 (61 layers) is bound by the GPU. ``--layers 16 --prefix-caching``
@@ -214,13 +215,25 @@ def longest_run(args) -> int:
     return max(run_lengths(b, c, args.max_batched_tokens)[1] for b in args.batches for c in args.contexts) + 8
 
 
+def parse_backend(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME[:kernel][/VAR=VALUE...]`` -> (vLLM backend name, environment of its engine)."""
+    name, *settings = spec.split("/")
+    backend, _, kernel = name.partition(":")
+    env = {"CUTE_MLA_KERNEL": kernel} if kernel else {}
+    for setting in settings:
+        var, eq, value = setting.partition("=")
+        if not eq or not var:
+            raise ValueError(f"--backends {spec!r}: {setting!r} is not VAR=VALUE")
+        env[var] = value
+    return backend, env
+
+
 def worker(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    backend, _, kernel = args.worker_backend.partition(":")
-    if kernel:
-        os.environ["CUTE_MLA_KERNEL"] = kernel
+    backend, env = parse_backend(args.worker_backend)
+    os.environ.update(env)
     timers = HostTimers()
     timers.install(backend)
     from vllm import LLM, SamplingParams

@@ -236,3 +236,12 @@ def test_cached_prompts_leave_one_token_to_compute(block_size):
         assert bench.prompt_length(context, prefix_caching=False) == context
         length = bench.prompt_length(context, prefix_caching=True, tail=16)
         assert length - ((length - 1) // block_size) * block_size == 16  # a 16-token short prefill
+
+
+def test_backend_specs_name_a_kernel_and_environment():
+    bench = _bench()
+    assert bench.parse_backend("FLASH_ATTN_MLA") == ("FLASH_ATTN_MLA", {})
+    assert bench.parse_backend("CUTE_MLA:triton/CUTE_MLA_DECODE_MAX_QUERY_LEN=1") == (
+        "CUTE_MLA", {"CUTE_MLA_KERNEL": "triton", "CUTE_MLA_DECODE_MAX_QUERY_LEN": "1"})
+    with pytest.raises(ValueError, match="'FOO' is not VAR=VALUE"):
+        bench.parse_backend("CUTE_MLA/FOO")
