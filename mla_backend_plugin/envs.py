@@ -142,9 +142,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            kind="bool"),
     EnvVar("CUTE_MLA_DECODE_MAX_QUERY_LEN", 128,
            "vLLM: requests of up to this many new tokens that already have KV context (the uncached tail of a "
-           "prefix-cache hit, a short chunk, drafts of mixed counts) run on the decode path, each query token as "
-           "a q_len 1 request over the keys it sees, instead of vLLM's prefill path (which up-projects the whole "
-           "context). At least 1 + the speculative tokens; under decode context parallelism that is all.",
+           "prefix-cache hit, a short chunk, drafts of mixed counts) run on the decode path, as token requests "
+           "(64 / heads consecutive query tokens each, every row over the keys its token sees), instead of vLLM's "
+           "prefill path (which up-projects the whole context). At least 1 + the speculative tokens; under "
+           "decode context parallelism that is all.",
            kind="int", parse=_positive_int),
     EnvVar("CUTE_MLA_SELF_CHECK", "auto",
            "First-use self-check against the float32 reference: `auto` (only on GPUs where a kernel was never "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mla_backend_plugin.ops import serving
+from mla_backend_plugin.testing import poison_runner_outputs
 from mla_backend_plugin.testing.inputs import make_decode_inputs
 
 
@@ -170,6 +171,7 @@ def test_token_requests_decode_like_each_requests_q_block(monkeypatch, tmp_path,
     ws.max_batch = 3  # slices of 3 token requests here (make_workspace would leave room for 128 with token_requests)
     fp8 = kv_dtype == torch.float8_e4m3fn
     runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto")
+    poison_runner_outputs(monkeypatch)
     calls = []
     real = serving.mla_decode
     monkeypatch.setattr(serving, "mla_decode", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
@@ -201,6 +203,7 @@ def test_runner_runs_more_requests_than_the_workspace_in_slices(monkeypatch):
     inp = make_decode_inputs(len(lens), lens, 2, 16, 16, torch.bfloat16, "pair", "cpu", seed=3)
     ws = serving.make_workspace("cpu", max_num_seqs=3, num_speculative_tokens=1, num_heads=16,
                                 out_dtype=torch.bfloat16)
+    poison_runner_outputs(monkeypatch)
     calls = []
     real = serving.mla_decode
     monkeypatch.setattr(serving, "mla_decode", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))

@@ -16,7 +16,12 @@ import torch
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import registry, serving
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs, select_kernel_for_test
+from mla_backend_plugin.testing import (
+    assert_close_decode,
+    make_decode_inputs,
+    poison_runner_outputs,
+    select_kernel_for_test,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +39,7 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("kv_dtype,heads,max_batch", [(torch.bfloat16, 128, 4), (FP8_DTYPE, 128, 8),
                                                       (torch.bfloat16, 16, 5), (FP8_DTYPE, 32, 128)],
                          ids=["bf16-h128-slices", "fp8-h128-slices", "bf16-h16-slices", "fp8-h32"])
-def test_token_requests_match_each_requests_causal_attention(kv_dtype, heads, max_batch):
+def test_token_requests_match_each_requests_causal_attention(kv_dtype, heads, max_batch, monkeypatch):
     q_len = serving.token_request_q_len(heads)
     if q_len > 1 and not registry.KERNELS[KERNEL].supports_row_kv_lens:
         pytest.skip(f"{KERNEL} takes no per-row key counts")
@@ -52,8 +57,7 @@ def test_token_requests_match_each_requests_causal_attention(kv_dtype, heads, ma
     ws = serving.make_workspace("cuda", max_num_seqs=max_batch, num_speculative_tokens=0, num_heads=heads,
                                 out_dtype=torch.bfloat16, token_requests=True)
     ws.max_batch = max_batch  # slices of this many token requests (the plans and buffers hold more)
-    ws.out_buffer.fill_(float("nan"))
-    ws.lse_buffer.fill_(float("nan"))
+    poison_runner_outputs(monkeypatch)
     runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto")
     out, lse = runner.decode(q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, token_requests=tr,
                              kv_scale=torch.tensor(inp.kv_scale, device="cuda") if fp8 else None)

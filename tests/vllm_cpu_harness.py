@@ -313,22 +313,8 @@ def _make_builder(cfg, block_size: int):
 def _decode_metadata(builder, inp, global_lens, local_lens):
     """builder.build(...) on a decode-only batch of ``inp`` (uniform q_len), as vLLM's model runner calls it under
     DCP: seq_lens global, dcp_local_seq_lens this rank's."""
-    import dataclasses
-
-    import torch
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    batch, q_len = inp.batch, inp.q_len
-    qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
-    seq_lens = torch.tensor(global_lens, dtype=torch.int32)
-    fields = dict(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=batch,
-        num_actual_tokens=batch * q_len, max_query_len=q_len, max_seq_len=max(global_lens),
-        block_table_tensor=inp.block_table, slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64),
-        dcp_local_seq_lens=torch.tensor(local_lens, dtype=torch.int32), seq_lens_cpu_upper_bound=seq_lens.clone(),
-        _seq_lens_cpu=seq_lens.clone(), _num_computed_tokens_cpu=seq_lens - q_len)
-    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}  # the CPU shadows went in 0.32
-    return builder.build(0, CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known}))
+    return builder.build(0, _common_metadata(inp.block_table, global_lens, [inp.q_len] * inp.batch,
+                                             dcp_local_seq_lens=local_lens))
 
 
 def scenario_dcp_decode() -> None:
@@ -427,7 +413,11 @@ def _varlen_metadata(builder, block_table, seq_lens: list[int], query_lens: list
     return builder.build(0, _common_metadata(block_table, seq_lens, query_lens, num_tokens))
 
 
-def _common_metadata(block_table, seq_lens: list[int], query_lens: list[int], num_tokens: int | None = None):
+def _common_metadata(block_table, seq_lens: list[int], query_lens: list[int], num_tokens: int | None = None,
+                     dcp_local_seq_lens: list[int] | None = None):
+    """vLLM's CommonAttentionMetadata of a batch (request b brings ``query_lens[b]`` tokens and has ``seq_lens[b]``
+    keys; ``dcp_local_seq_lens``: this rank's under DCP); fields a vLLM version lacks are left out (the CPU
+    shadows went in 0.32)."""
     import dataclasses
 
     import torch
@@ -443,6 +433,8 @@ def _common_metadata(block_table, seq_lens: list[int], query_lens: list[int], nu
         block_table_tensor=block_table, slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
         seq_lens_cpu_upper_bound=lens.clone(), _seq_lens_cpu=lens.clone(),
         _num_computed_tokens_cpu=lens - torch.tensor(query_lens, dtype=torch.int32))
+    if dcp_local_seq_lens is not None:
+        fields["dcp_local_seq_lens"] = torch.tensor(dcp_local_seq_lens, dtype=torch.int32)
     known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known})
 

@@ -99,7 +99,6 @@ class TokenRequests:
     block_table: torch.Tensor  # [R, cols] int32
     seq_lens: torch.Tensor  # [R] int32
     q_len: int
-    num_tokens: int
     query_lens: list[int]  # the step's own requests' token counts (host), for the reference check
     row_kv_lens: torch.Tensor | None = None  # [R, q_len] int32 when q_len > 1
     rows: torch.Tensor | None = None  # [R * q_len] int64: the query token of each row (0 for a row past the end)
@@ -154,12 +153,6 @@ def token_requests(query_start_loc: torch.Tensor, query_lens, seq_lens: torch.Te
         query_lens = query_lens + [padding]
         block_table = torch.cat([block_table, block_table[:1]])
     counts = starts[1:] - starts[:-1]
-    if q_len == 1:
-        token = torch.arange(num_tokens, dtype=torch.int64, device=device)
-        request = torch.searchsorted(starts[1:], token, right=True)  # b with starts[b + 1] > token >= starts[b]
-        keys = (lens[request] - (starts[1:][request] - token) + 1).clamp_(min=0).to(torch.int32)
-        return TokenRequests(block_table=block_table.index_select(0, request).contiguous(), seq_lens=keys, q_len=1,
-                             num_tokens=num_tokens, query_lens=own_query_lens)
     # request b takes cdiv(q_len_b, q_len) token requests, the first at first_b = sum of those of b' < b
     num_rows = sum(-(-n // q_len) for n in query_lens)
     per_request = torch.div(counts + q_len - 1, q_len, rounding_mode="floor")
@@ -170,12 +163,15 @@ def token_requests(query_start_loc: torch.Tensor, query_lens, seq_lens: torch.Te
     offset = (r - first[request])[:, None] * q_len + torch.arange(q_len, dtype=torch.int64, device=device)
     valid = offset < counts[request][:, None]  # [R, q_len]
     keys = torch.where(valid, lens[request][:, None] - counts[request][:, None] + offset + 1, 0).clamp_(min=0)
+    block_table = block_table.index_select(0, request).contiguous()
+    if q_len == 1:  # the tokens are the requests: nothing to gather, no per-row counts
+        return TokenRequests(block_table=block_table, seq_lens=keys[:, 0].to(torch.int32), q_len=1,
+                             query_lens=own_query_lens)
     token = torch.arange(num_tokens, dtype=torch.int64, device=device)
     owner = torch.searchsorted(starts[1:], token, right=True)
     within = token - starts[owner]
     return TokenRequests(
-        block_table=block_table.index_select(0, request).contiguous(),
-        seq_lens=keys.max(dim=1).values.to(torch.int32), q_len=q_len, num_tokens=num_tokens,
+        block_table=block_table, seq_lens=keys.max(dim=1).values.to(torch.int32), q_len=q_len,
         query_lens=own_query_lens, row_kv_lens=keys.to(torch.int32).contiguous(),
         rows=torch.where(valid, starts[request][:, None] + offset, 0).reshape(-1),
         row_of_token=(first[owner] + torch.div(within, q_len, rounding_mode="floor")) * q_len + within % q_len)

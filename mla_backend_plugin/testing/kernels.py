@@ -33,3 +33,19 @@ def select_kernel_for_test(name: str, namespace: dict, monkeypatch, device: str 
         pytest.skip(f"{name}: {reason}")
     monkeypatch.setitem(namespace, "KERNEL", name)
     return name
+
+
+def poison_runner_outputs(monkeypatch) -> None:
+    """NaN in every output buffer the serving decode runner hands its launches (the workspace's views and the fresh
+    tensors past them), for the rest of a test: an element no launch writes then fails the comparison."""
+    from mla_backend_plugin.ops.serving import DecodeRunner
+
+    real = DecodeRunner._outputs
+
+    def poisoned(workspace, num_tokens, q):
+        out, lse = real(workspace, num_tokens, q)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        return out, lse
+
+    monkeypatch.setattr(DecodeRunner, "_outputs", staticmethod(poisoned))

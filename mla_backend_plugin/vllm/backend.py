@@ -64,7 +64,6 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                                            serving.decode_query_len_threshold(num_spec, self.dcp_world_size))
         if self.dcp_world_size > 1:
             self.query_len_support = compat.QueryLenSupport.UNIFORM  # token requests are not built for DCP
-        self.kernel_block_size = kv_cache_spec.block_size  # vLLM hands builders the kernel block size
         # Allocated once, before warm-up and CUDA-graph capture: split-KV partials and the outputs that
         # forward_mqa returns views of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM).
         # With short prefills on the decode path it also serves their slices of token requests.
@@ -102,14 +101,15 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             query_lens = compat.decode_query_lens(kwargs)
             q_len = serving.uniform_query_len(query_lens, num_tokens)
             if q_len is None or q_len > MAX_Q_LEN:  # vLLM runs such a step eagerly
+                max_seq_len = compat.decode_max_seq_len(kwargs)
+                # page_size: vLLM hands builders the kernel block size (the block table's unit)
                 token_requests = serving.token_requests(
                     compat.decode_query_start_loc(kwargs), query_lens, seq_lens_device, block_table_tensor,
                     num_tokens, q_len=serving.token_request_q_len(self.workspace.num_heads),
-                    max_seq_len=compat.decode_max_seq_len(kwargs), block_size=self.kernel_block_size)
+                    max_seq_len=max_seq_len, block_size=self.page_size)
                 return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
-                                             dcp_tot_seq_lens=None, workspace=self.workspace,
-                                             max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
-                                             token_requests=token_requests)
+                                             dcp_tot_seq_lens=None, workspace=self.workspace, max_seq_len=max_seq_len,
+                                             tuning=self.tuning, token_requests=token_requests)
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens, workspace=self.workspace,
                                      max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
@@ -122,7 +122,11 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
         lengths into the persistent buffer (device ops, no host sync). None when seq_lens says it all."""
         if self.row_kv_lens_buffer is None or num_decodes == 0:
             return None
-        q_len = compat.decode_q_len(build_decode_kwargs, num_decodes)
+        num_tokens = build_decode_kwargs["num_decode_tokens"]
+        q_len = serving.uniform_query_len(compat.decode_query_lens(build_decode_kwargs), num_tokens)
+        if q_len is None:  # vLLM keeps DCP decode batches uniform (UNIFORM, as declared under DCP)
+            raise RuntimeError(f"decode batch of {num_decodes} requests has {num_tokens} tokens: q_len is not "
+                               f"uniform")
         if q_len == 1:
             return None  # one row: it sees every local key
         if dcp_tot_seq_lens is None or num_decodes * q_len > self.row_kv_lens_buffer.numel():

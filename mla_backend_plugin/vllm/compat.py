@@ -70,14 +70,6 @@ def full_decode_graphs(vllm_config) -> bool:
     return decode_mode is not None and decode_mode().name == "FULL"
 
 
-def decode_q_len(build_decode_kwargs: dict, num_decodes: int) -> int:
-    """The (uniform) query tokens per request of the decode batch ``_build_decode`` describes."""
-    num_tokens = build_decode_kwargs["num_decode_tokens"]
-    if num_tokens % num_decodes:
-        raise RuntimeError(f"decode batch of {num_decodes} requests has {num_tokens} tokens: q_len is not uniform")
-    return num_tokens // num_decodes
-
-
 def decode_query_lens(build_decode_kwargs: dict):
     """Each decode request's new tokens (a numpy array), from the host copy of query_start_loc ``_build_decode``
     receives (no device sync; full-graph padding requests have 0)."""
