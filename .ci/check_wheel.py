@@ -32,7 +32,7 @@ def main(wheel: str, archs: list[str]) -> int:
         for family, (build, aot) in families.items():
             if arch not in KERNELS[family].archs:
                 continue
-            for variant, pdl in [(v, pdl) for v in build.serving_variants() for pdl in (True, False)]:
+            for variant, pdl in [(v, pdl) for v in build.builds() for pdl in (True, False)]:
                 key = aot.cache_key(variant, pdl, arch)
                 meta = metas.get(key)
                 label = f"{family} {arch}: {variant.name} pdl={'on' if pdl else 'off'}"

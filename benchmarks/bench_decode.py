@@ -56,7 +56,7 @@ from mla_backend_plugin.ops.timing import (
     measure_hbm_bytes_per_s,
     time_graphs,
 )
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, StepPlans
 from mla_backend_plugin.testing import DecodeInputs
 
 GRIDS = {
@@ -67,6 +67,7 @@ GRIDS = {
 }
 DEFAULT_TIME_PER_KERNEL_S = {"standard": 0.25, "quick": 0.05}
 DEFAULT_PEERS = tuple(name for name, peer in PEERS.items() if not peer.opt_in)
+PLAN_PER_CALL = False  # --plan-per-call
 NOT_BENCHMARKED_KERNELS = ("reference",)  # host loop, not CUDA-graph safe
 H100_L2_BYTES = 50 * 2**20  # for --dry-run without a GPU
 # Device memory a cell needs beyond its KV copies, per query row (token x head): fp32 split-KV partials of
@@ -170,10 +171,16 @@ class OurKernel:
         out = torch.empty(cell.tokens, cell.num_heads, KV_LORA_RANK, dtype=torch.bfloat16, device=inputs.device)
         lse = torch.empty(cell.tokens, cell.num_heads, dtype=torch.float32, device=inputs.device)
 
+        # the calls of one graph stand for the layers of one decode step, as a serving backend makes them: one
+        # StepPlans, so a kernel with a step-plan kernel (cute_sm90) plans once per graph replay, where the
+        # peers' scheduler metadata is made once in prepare (--plan-per-call: every call plans for itself)
+        step = None if PLAN_PER_CALL else StepPlans()
+
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
                               softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=kv_scale,
-                              out=out, lse=lse, workspace=workspace, kernel=self.kernel, config=self.config)
+                              out=out, lse=lse, workspace=workspace, kernel=self.kernel, config=self.config,
+                              step=step)
 
         return PeerCall(launch, lambda raw: raw)
 
@@ -377,6 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     sel.add_argument("--peers", type=_name_list, default=DEFAULT_PEERS,
                      help=f"peers, comma-separated, 'all' or 'none' (default: {','.join(DEFAULT_PEERS)}; "
                           f"known: {','.join(PEERS)})")
+    sel.add_argument("--plan-per-call", action="store_true",
+                     help="our calls plan their split schedule each (mla_decode without a step), not once per graph "
+                          "replay (the calls of a graph are the layers of one step by default)")
     sel.add_argument("--with-flashinfer", action="store_true",
                      help="add flashinfer_mla to the peers (JIT-compiles with nvcc on first use: minutes)")
     sel.add_argument("--flashinfer-timeout", type=float, default=900.0,
@@ -629,7 +639,9 @@ def _cell_summary(cell: Cell, rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    global PLAN_PER_CALL
     args = parse_args(argv)
+    PLAN_PER_CALL = args.plan_per_call
     cells = build_cells(args)
     if args.dry_run:
         cc = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else divmod(args.assume_sm, 10)

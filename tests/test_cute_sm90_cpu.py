@@ -165,7 +165,9 @@ def exported(tmp_path_factory):
         mp.setattr(build, "compile_variants",  # PDL on only (test_cute_packaged_cpu builds both modes)
                    lambda *a, **k: results.extend(real(*a, pdl_modes=(True,), **k)) or results)
         rc = compile_cli.main(["--arch", "sm_90a", "--kernels", "cute_sm90", "--export-dir", str(root)])
-    assert rc == 0 and len(results) == 1, results
+    # the split variant and the step-plan kernel every split variant reads its work items from
+    assert rc == 0 and [r.name for r in results] == [CACHED.name, launch.STEP_PLAN.name], results
+    assert results[1].ok and results[1].spill_bytes == 0, results[1]
     return results[0], root
 
 
@@ -471,7 +473,8 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     from mla_backend_plugin.ops import MLAWorkspace
 
     seen = []
-    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl: lambda *a: seen.append(("split", a[-3], a[-2])))
+    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl: (
+        (lambda *a: None) if variant == launch.STEP_PLAN else lambda *a: seen.append(("split", a[-3], a[-2]))))
     monkeypatch.setattr(launch, "current_cu_stream", lambda device: None)
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     monkeypatch.setattr(combine, "launch_combine", lambda *a, **k: seen.append(("combine",)))
@@ -492,3 +495,57 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
     split, after = run(1)
     assert split[2] == 0 and after == ("combine",)
+
+
+def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
+    """The host half of the step plan (ops/workspace.py StepPlans): the step-plan kernel runs before the split
+    kernel of a call without a step (every call), of the first call of a step, of a call with another seq_lens
+    tensor or plan, after another plan overwrote the workspace's table, and of the first call inside each CUDA-graph
+    capture (the engine's eager warm-up of the same metadata does not count); every split launch reads the
+    workspace's table. The compiled kernels are stand-ins."""
+    from mla_backend_plugin.kernels.combine import kernel as combine
+    from mla_backend_plugin.ops import MLAWorkspace
+    from mla_backend_plugin.ops import workspace as workspace_mod
+    from mla_backend_plugin.ops.workspace import StepPlans
+
+    seen = []
+
+    def compiled(variant, pdl):
+        if variant == launch.STEP_PLAN:
+            return lambda *a: seen.append(("plan", a[0].data_ptr(), a[2].data_ptr(), a[-2]))
+        return lambda *a: seen.append(("split", a[-5].data_ptr()))
+
+    monkeypatch.setattr(launch, "_compiled", compiled)
+    monkeypatch.setattr(launch, "current_cu_stream", lambda device: None)
+    monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
+    monkeypatch.setattr(combine, "launch_combine", lambda *a, **k: None)
+    capture = [None]
+    monkeypatch.setattr(workspace_mod, "_capture_id", lambda device: capture[0])
+    ws = MLAWorkspace("cpu", max_batch=8, max_q_len=1, num_heads=128, num_sms=132, rows_per_cta=config.BLOCK_M)
+    ws.scratch[launch.COMBINE_SCRATCH] = torch.zeros(4 * launch.COMBINE_COUNTERS, dtype=torch.uint8)
+    a8, a2 = _args(q_len=1, batch=8), _args(q_len=1, batch=2)
+    cfg = launch.default_config(a8, (9, 0))
+
+    def layer(args, step):
+        seen.clear()
+        launch.launch(dataclasses.replace(args, step=step), ws, cfg)
+        assert seen[-1] == ("split", ws.work_items.data_ptr())  # every split kernel reads the table
+        return [s[0] for s in seen]
+
+    assert layer(a8, None) == ["plan", "split"] and layer(a8, None) == ["plan", "split"]
+    step = StepPlans()
+    assert layer(a8, step) == ["plan", "split"]
+    assert seen[0][1:] == (a8.seq_lens.data_ptr(), ws.work_items.data_ptr(),
+                           ws.plan(8, 1, balanced=True).grid_items)
+    assert layer(a8, step) == ["split"] and layer(a8, step) == ["split"]  # the step's later layers
+    assert layer(a2, step) == ["plan", "split"]  # another seq_lens tensor (e.g. a slice of token requests)
+    assert layer(a8, step) == ["plan", "split"]  # the table held a2's plan
+    assert layer(a8, step) == ["split"]
+    assert layer(a8, None) == ["plan", "split"]  # a call outside the step
+    assert layer(a8, step) == ["plan", "split"]
+    capture[0] = 7  # warm-up done eagerly above; the capture must hold its own plan launch
+    assert layer(a8, step) == ["plan", "split"] and layer(a8, step) == ["split"]
+    capture[0] = 8  # a second capture of the same metadata
+    assert layer(a8, step) == ["plan", "split"]
+    capture[0] = None
+    assert layer(a8, StepPlans()) == ["plan", "split"]  # the next step

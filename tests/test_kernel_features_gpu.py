@@ -77,10 +77,15 @@ def test_pdl_on_off_identical(monkeypatch, kv_dtype, num_sms):
     assert_close_decode(*results["1"], ref_out, ref_lse, kv_dtype)
 
 
+@pytest.mark.parametrize("one_step", [False, True], ids=["calls", "step"])
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "nopdl"])
-def test_graph_replay_back_to_back(monkeypatch, pdl):
+def test_graph_replay_back_to_back(monkeypatch, pdl, one_step):
     """Two decode calls per graph (the second reads the first's output as q), captured with PDL on/off and
-    replayed with new lengths: PDL edges inside a graph must still order the dependent kernels."""
+    replayed with new lengths: PDL edges inside a graph must still order the dependent kernels. ``step``: both
+    calls are layers of one decode step (``StepPlans``): cute_sm90 plans once, before the first, eagerly and in
+    the graph (whose eager warm-up ran with the same step), and the second reads that plan."""
+    from mla_backend_plugin.ops.workspace import StepPlans
+
     monkeypatch.setenv("CUTE_MLA_PDL", pdl)
     batch, q_len, heads, bs, width = 6, 2, 64, 64, 40
     ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=heads)
@@ -98,24 +103,31 @@ def test_graph_replay_back_to_back(monkeypatch, pdl):
     lse1 = torch.empty(batch * q_len, heads, dtype=torch.float32, device="cuda")
     lse2 = torch.empty_like(lse1)
 
+    step = StepPlans() if one_step else None
+
     def run():
         mla_decode((q_nope, q_pe), kv, bt, seq, softmax_scale=static.softmax_scale, out=out1, lse=lse1,
-                   workspace=ws, kernel=KERNEL)
+                   workspace=ws, kernel=KERNEL, step=step)
         mla_decode((out1, q_pe), kv, bt, seq, softmax_scale=static.softmax_scale, out=out2, lse=lse2,
-                   workspace=ws, kernel=KERNEL)
+                   workspace=ws, kernel=KERNEL, step=step)
 
+    rounds = [draw_seq_lens(batch, 2500, block_size=bs, seed=9, max_len=width * bs), [1, 0, 64, 65, width * bs, 3]]
     graph = capture_graph(lambda _: run(), warmup=1)
-    for i, lens in enumerate([draw_seq_lens(batch, 2500, block_size=bs, seed=9, max_len=width * bs),
-                              [1, 0, 64, 65, width * bs, 3]]):
-        new = fresh(lens, 20 + i)
-        q_nope.copy_(new.q[0])
-        q_pe.copy_(new.q[1])
-        kv.copy_(new.kv_cache)
-        bt.copy_(new.block_table)
-        seq.copy_(new.seq_lens)
+    for i, lens in enumerate([None] + rounds):  # round 0: eager, a new step
+        if lens is not None:
+            new = fresh(lens, 20 + i)
+            q_nope.copy_(new.q[0])
+            q_pe.copy_(new.q[1])
+            kv.copy_(new.kv_cache)
+            bt.copy_(new.block_table)
+            seq.copy_(new.seq_lens)
         for t in (out1, out2, lse1, lse2):
             t.fill_(math.nan)
-        graph.replay()
+        if lens is None:
+            step = StepPlans() if one_step else None
+            run()
+        else:
+            graph.replay()
         torch.cuda.synchronize()
         r1, l1 = mla_decode_reference(q_nope, q_pe, kv, bt, seq, q_len, static.softmax_scale)
         assert_close_decode(out1, lse1, r1, l1, torch.bfloat16, msg=f"first call, round {i}")

@@ -31,6 +31,7 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_NUM_HEADS,
     SUPPORTED_Q_LENS,
+    WORK_ITEM_INTS,
 )
 from mla_backend_plugin.ops.workspace import MAX_SPLITS, TARGET_CTAS_PER_SM
 from mla_backend_plugin.testing import (
@@ -462,6 +463,17 @@ def test_unknown_kernel_name():
     assert set(available_kernels()) >= {"triton", "reference"}
 
 
+def test_step_must_be_a_step_plans():
+    from mla_backend_plugin.ops.workspace import StepPlans
+
+    inp = _base()
+    with pytest.raises(ValueError, match=r"mla_decode: step: must be a StepPlans \(one per decode step\) or None, "
+                                         r"got dict"):
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference", step={})
+    out, _ = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference", step=StepPlans())
+    assert torch.isfinite(out).all()  # kernels without a step-plan kernel ignore it
+
+
 def test_unknown_kernel_name_from_env(monkeypatch):
     inp = _base()
     monkeypatch.setenv(KERNEL_ENV_VAR, "nope")
@@ -688,7 +700,13 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
                 needed = max(needed, rows)
             ws.check_fits(batch, q_len, heads, torch.device("cpu"))
     assert ws.partial_rows == needed
-    assert ws.nbytes == (ws.partial_out.numel() + ws.partial_lse.numel() + ws.split_index.numel()) * 4
+    for q_len in range(1, max_q_len + 1):  # the step table holds every balanced plan's work items
+        for batch in range(1, max_batch + 1):
+            plan = ws.plan(batch, q_len, balanced=True)
+            assert plan.grid_items * WORK_ITEM_INTS <= ws.work_items.numel(), (batch, q_len)
+    assert ws.work_items.dtype == torch.int32
+    assert ws.nbytes == (ws.partial_out.numel() + ws.partial_lse.numel() + ws.split_index.numel()
+                         + ws.work_items.numel()) * 4
     assert "MLAWorkspace(" in repr(ws)
     if max_splits == 1:
         assert ws.partial_rows == 0 and ws.partial_out.shape[0] == 1

@@ -21,7 +21,7 @@ from mla_backend_plugin.ops.constants import (
     dtype_names,
 )
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig
-from mla_backend_plugin.ops.workspace import MLAWorkspace, default_workspace
+from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, default_workspace
 
 Scale = float | torch.Tensor | None
 
@@ -47,6 +47,9 @@ class DecodeArgs:
     # [B, q_len] int32: keys each query row sees (at most seq_len), or None for the usual causal rule
     # (seq_len - q_len + t + 1). Given for a KV cache sharded across ranks (decode context parallelism).
     row_kv_lens: torch.Tensor | None = None
+    # the decode step this call belongs to (mla_decode's ``step``): a family with a step-plan kernel plans once
+    # per step; not part of the signature (it changes every step, the decision does not)
+    step: StepPlans | None = None
 
     @property
     def block_size(self) -> int:
@@ -237,6 +240,7 @@ def mla_decode(
     config: LaunchConfig | None = None,
     max_seq_len: int | None = None,
     row_kv_lens: torch.Tensor | None = None,
+    step: StepPlans | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
@@ -273,6 +277,9 @@ def mla_decode(
             sharded across ranks (decode context parallelism), where the q block's own new tokens are not all
             stored on this rank: ``ops.serving.dcp_row_kv_lens`` computes it from the global lengths. Read on
             the device (CUDA-graph safe); kernels whose manifest lacks ``supports_row_kv_lens`` refuse it.
+        step: a ``StepPlans`` shared by every layer's call of one decode step (same seq_lens tensor and values;
+            a serving integration makes one per step): the split schedule of the step is planned on the device
+            once (cute_sm90's step-plan kernel) instead of once per call. None: each call plans for itself.
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
@@ -282,6 +289,10 @@ def mla_decode(
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
                         row_kv_lens=row_kv_lens)
+    if step is not None:
+        if not isinstance(step, StepPlans):
+            _fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")
+        args.step = step
     if config is not None and not isinstance(config, LaunchConfig):
         _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if kernel == "auto":

@@ -767,6 +767,7 @@ def measure_on_gpu(key: ShapeKey, candidates: list[Candidate], static: Candidate
     interleaved (ops/timing.py); per-call medians (us) and why the others were not timed."""
     from mla_backend_plugin.ops.api import mla_decode
     from mla_backend_plugin.ops.timing import calls_per_graph_for, capture_graph, time_graphs
+    from mla_backend_plugin.ops.workspace import StepPlans
     from mla_backend_plugin.testing import compare_decode
 
     scales = inputs.scale_kwargs(as_tensor=key.scale_form == "tensor") if key.scale_form != "none" else {}
@@ -777,10 +778,14 @@ def measure_on_gpu(key: ShapeKey, candidates: list[Candidate], static: Candidate
     ref = None
 
     def runner(cand: Candidate):
+        # a graph's calls are the layers of one decode step, as in serving: one StepPlans per candidate, so a
+        # kernel with a step-plan kernel plans once per replay (its config's plan; another candidate re-plans)
+        step = StepPlans()
+
         def launch(i: int):
             return mla_decode(inputs.q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
                               softmax_scale=inputs.softmax_scale, out=out, lse=lse, workspace=workspace,
-                              kernel=cand.kernel, config=cand.config, **scales)
+                              kernel=cand.kernel, config=cand.config, step=step, **scales)
         return launch
 
     ordered = sorted(candidates, key=lambda c: c != static)  # the static choice first: the others' reference

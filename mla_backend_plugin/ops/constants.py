@@ -15,6 +15,11 @@ MAX_Q_LEN = max(SUPPORTED_Q_LENS)
 # KV-cache page sizes (tokens per block) that vLLM may hand us.
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
+# int32s per work item in a workspace's step table (kernels/cute_common/scheduler.py ``StepPlanKernel``): request + 1
+# (0 past the schedule's end), request, its KV length, its splits, its first partial slot, the item's KV range
+# [start, end) and its tiles.
+WORK_ITEM_INTS = 8
+
 Q_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn
 KV_CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)

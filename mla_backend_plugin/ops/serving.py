@@ -31,7 +31,7 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_NUM_HEADS,
     dtype_names,
 )
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, StepPlans
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -385,12 +385,14 @@ class DecodeRunner:
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
                tuning: DeploymentTuning | None = None, row_kv_lens: torch.Tensor | None = None,
-               token_requests: TokenRequests | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               token_requests: TokenRequests | None = None,
+               step: StepPlans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``max_seq_len``: the step's longest KV length when the engine knows it on the host (picks the tuned
         choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook.
         ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``). ``token_requests``:
         a step of mixed q_lens recast by ``token_requests`` (what is launched; ``block_table`` and ``seq_lens``
-        stay the step's own, per request). q and the returned outputs are in token order either way."""
+        stay the step's own, per request). q and the returned outputs are in token order either way. ``step``: the
+        decode step's ``StepPlans``, shared by its layers (mla_decode's ``step``)."""
         if tuning is not None:
             tuning.run_once(workspace.device)
             if not tuning.host_lengths:
@@ -399,7 +401,7 @@ class DecodeRunner:
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
         q_scale = dequant_scale(q_scale) if q_is_fp8 else None
         kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
-        scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len)
+        scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
         if token_requests is None:
             out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, **scales)
         else:

@@ -31,6 +31,7 @@ from mla_backend_plugin.ops.constants import (
     MAX_Q_LEN,
     SUPPORTED_NUM_HEADS,
     SUPPORTED_Q_LENS,
+    WORK_ITEM_INTS,
 )
 
 # Split the KV sequence until the grid has this many CTAs per SM: the Triton, CuTe and XQA tiles each fill an
@@ -339,6 +340,7 @@ class MLAWorkspace:
         # needs at most max_slots (< 2 W) slots of q_len * H rows whatever the batch.
         worst_rows = worst_balanced = 0
         worst_index = 1
+        worst_items = 1
         for rows_per in self.plan_rows:
             for q_len in range(1, self.max_q_len + 1):
                 for batch in range(1, self.max_batch + 1):
@@ -349,6 +351,7 @@ class MLAWorkspace:
                     bal = self.plan(batch, q_len, balanced=True, rows_per_cta=rows_per, max_splits=split_capacity)
                     worst_balanced = max(worst_balanced, bal.max_slots * q_len * num_heads)
                     worst_index = max(worst_index, 1 + 3 * bal.max_split_requests)
+                    worst_items = max(worst_items, bal.grid_items)
         self._plans.clear()  # the sizing visited every batch size; calls plan only the few they use
         # partial rows the uniform plan needs (xqa_sm120 checks it) and the balanced plan needs; the buffers hold
         # the larger (the two differ by a few slots at most).
@@ -358,6 +361,11 @@ class MLAWorkspace:
         # The balanced plan's list of split requests, written by the split kernel for the combine:
         # [J, (b, S_b, n_b) * J] (balanced_schedule).
         self.split_index = torch.zeros(worst_index, dtype=torch.int32, device=self.device)
+        # A step's work items of the balanced plan ([G, WORK_ITEM_INTS]), written by a family's step-plan kernel
+        # and read by every layer's split kernel of that step (StepPlans); ``planned`` is the host's record of
+        # which plan the stream leaves in it (set by ``StepPlans.needs_plan``).
+        self.work_items = torch.zeros(worst_items * WORK_ITEM_INTS, dtype=torch.int32, device=self.device)
+        self.planned = None
         # fp32 partial outputs and log2-domain LSEs of every (request, row, split); empty when no batch
         # size this workspace serves ever splits.
         self.partial_out = torch.empty(max(worst_rows, 1), KV_LORA_RANK, dtype=torch.float32, device=self.device)
@@ -414,8 +422,9 @@ class MLAWorkspace:
         rows = q_len * self.num_heads
         need = (plan.max_slots * rows if plan.balanced else
                 (batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
-        if need > self.partial_out.shape[0] or (plan.balanced and
-                                               1 + 3 * plan.max_split_requests > self.split_index.numel()):
+        if need > self.partial_out.shape[0] or (plan.balanced and (
+                1 + 3 * plan.max_split_requests > self.split_index.numel()
+                or plan.grid_items * WORK_ITEM_INTS > self.work_items.numel())):
             return (f"workspace: a {tile.rows_per_cta}-row tile needs {need} partial rows; this workspace holds "
                     f"{self.partial_out.shape[0]} (made for tiles {self.plan_rows}: pass plan_rows= including "
                     f"{tile.rows_per_cta})")
@@ -452,14 +461,63 @@ class MLAWorkspace:
 
     @property
     def nbytes(self) -> int:
-        owned = [self.partial_out, self.partial_lse, self.split_index, self.out_buffer, self.lse_buffer,
-                 *self.scratch.values()]
+        owned = [self.partial_out, self.partial_lse, self.split_index, self.work_items, self.out_buffer,
+                 self.lse_buffer, *self.scratch.values()]
         return sum(t.numel() * t.element_size() for t in owned if t is not None)
 
     def __repr__(self) -> str:
         return (f"MLAWorkspace(device={self.device}, max_batch={self.max_batch}, max_q_len={self.max_q_len}, "
                 f"num_heads={self.num_heads}, num_sms={self.num_sms}, plan_rows={self.plan_rows}, "
                 f"partial_rows={self.partial_rows}, {self.nbytes / 2**20:.1f} MiB)")
+
+
+def _capture_id(device: torch.device):
+    """None outside CUDA-graph capture, else the id of the capture in progress on the current stream."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        from cuda.bindings import runtime
+
+        err, _, capture_id = runtime.cudaStreamGetCaptureInfo(torch.cuda.current_stream(device).cuda_stream)[:3]
+        if err == runtime.cudaError_t.cudaSuccess:
+            return int(capture_id)
+    except ImportError:
+        pass
+    return object()  # a capture we cannot tell apart from another: equal to nothing, so every launch plans
+
+
+class StepPlans:
+    """What one decode step has planned on the device: a serving integration makes one per step (its metadata
+    builder) and passes it to every layer's ``mla_decode(..., step=)``, so a family with a step-plan kernel
+    (cute_sm90) plans the step's balanced schedule once and every layer's split kernel reads it from the
+    workspace. Without one, every call plans for itself.
+
+    A plan is reused only for the same seq_lens tensor and plan, while the workspace's table still holds it,
+    and in the same CUDA-graph capture (or outside any) it was launched in: a graph then holds its own first
+    layer's plan launch and replays it with the replayed lengths; an engine's eager warm-up run of the same
+    metadata does not stand in for the capture that follows it."""
+
+    def __init__(self):
+        self._done: dict[tuple, object] = {}
+
+    def needs_plan(self, workspace: MLAWorkspace, seq_lens: torch.Tensor, key: tuple) -> bool:
+        """True when the caller must launch the step-plan kernel for ``key`` (the plan's fields) now; records that
+        it will."""
+        full = (seq_lens.data_ptr(), seq_lens.shape[0], key)
+        where = _capture_id(workspace.device)
+        if workspace.planned == full and full in self._done and self._done[full] == where:
+            return False
+        self._done[full] = where
+        workspace.planned = full
+        return True
+
+
+def step_needs_plan(step: StepPlans | None, workspace: MLAWorkspace, seq_lens: torch.Tensor, key: tuple) -> bool:
+    """``step.needs_plan``, or True for a call outside a step (it plans for itself)."""
+    if step is None:
+        workspace.planned = None
+        return True
+    return step.needs_plan(workspace, seq_lens, key)
 
 
 _DEFAULT_WORKSPACES: dict[tuple, MLAWorkspace] = {}

@@ -89,6 +89,8 @@ class CuteMLAForwardMetadata:
     seq_lens: torch.Tensor
     q_len: int
     max_seq_len: int | None = None
+    # what this step has planned on the device (one per step: every layer's split kernel reads the step's plan)
+    step: serving.StepPlans = dataclasses.field(default_factory=serving.StepPlans)
 
 
 def kernel_kv_cache(key_buffer: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -234,7 +236,7 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         out, _lse = self._runner(layer.scaling).decode(
             q_in, cache, meta.page_table, meta.seq_lens, self.workspace,
             kv_scale=_kv_dequant_scale(layer) if self.kv_cache_dtype.startswith("fp8") else None,
-            max_seq_len=meta.max_seq_len, tuning=self.tuning)
+            max_seq_len=meta.max_seq_len, tuning=self.tuning, step=meta.step)
         return out.view(-1, num_heads * V_HEAD_DIM)
 
     def _runner(self, softmax_scale: float) -> serving.DecodeRunner:

@@ -32,6 +32,8 @@ class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     # counts), recast as requests of a few consecutive query tokens each (serving.token_requests): what decode
     # launches; block_table and seq_lens stay the step's own
     token_requests: serving.TokenRequests | None = None
+    # what this step has planned on the device (one per step: every layer's split kernel reads the step's plan)
+    step: serving.StepPlans = dataclasses.field(default_factory=serving.StepPlans)
 
 
 @dataclasses.dataclass
@@ -201,7 +203,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
                                   q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
                                   tuning=decode.tuning, row_kv_lens=decode.row_kv_lens,
-                                  token_requests=decode.token_requests)
+                                  token_requests=decode.token_requests, step=decode.step)
 
 
 class CuteMLABackend(compat.MLACommonBackend):

@@ -1,9 +1,15 @@
-"""The balanced split-KV plan as a CuTe kernel computes it on the device (``BalancedScheduler``).
+"""The balanced split-KV plan as a CuTe kernel computes it on the device (``BalancedScheduler``, ``StepPlanKernel``).
 
 ops/workspace.py ``balanced_schedule`` is the Python reference; this is the same integer formula, bit for bit
 (tests/test_planner_balanced.py emulates the warp algorithm on CPU against it; the GPU tests check the split
-list a kernel writes). The grid is (m-blocks, work items); every warp of a CTA derives its work item from all
-of seq_lens on its own, so a captured CUDA graph replays correctly with new lengths.
+list and the work items written on the device). A split kernel's grid is (m-blocks, work items). Two ways to
+get a CTA's item, both from seq_lens on the device, so a captured CUDA graph replays correctly with new lengths:
+
+* ``plan_item``: every warp of the split kernel derives its item from all of seq_lens on its own (cute_sm100);
+* ``StepPlanKernel`` + ``read_item``: one small kernel (a warp per item) writes every item of the step into the
+  workspace's ``work_items`` once, and every layer's split kernel loads its own (cute_sm90). The split kernel
+  then holds none of the schedule's code (~1500 instructions fetched cold per CTA) and starts its KV loads one
+  dependent load after its PDL wait instead of three passes over seq_lens (benchmarks/NOTES.md, session 16).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 
 from mla_backend_plugin.kernels.cute_common.compat import SHFL_UP_CLAMP
+from mla_backend_plugin.ops.constants import WORK_ITEM_INTS
 
 
 class BalancedScheduler:
@@ -41,6 +48,25 @@ class BalancedScheduler:
         kv_end = cutlass.min(kv_start + chunk, seq_len)
         n_tiles = cutlass.max(kv_end - kv_start + self.block_n - 1, 0) // self.block_n
         return b1, b, seq_len, n_splits, w - split, kv_start, kv_end, n_tiles
+
+    @cute.jit
+    def write_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, w, lane, num_splits,
+                   min_chunk, work_target):
+        """Work item w as ``plan_item`` derives it (the split list too), stored at ``mWork[w]`` by lane 0 in the
+        order ``read_item`` loads it; items past the schedule's end store b1 = 0."""
+        item = self.plan_item(mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target)
+        if lane == 0:
+            for i in cutlass.range_constexpr(len(item)):
+                mWork[w * WORK_ITEM_INTS + i] = item[i]
+
+    @cute.jit
+    def read_item(self, mWork: cute.Tensor, w):
+        """``plan_item``'s tuple for work item w from the step's table (``StepPlanKernel`` wrote it): 8 independent
+        loads, no pass over seq_lens."""
+        item = [None] * WORK_ITEM_INTS
+        for i in cutlass.range_constexpr(WORK_ITEM_INTS):
+            item[i] = mWork[w * WORK_ITEM_INTS + i]
+        return item[0], item[1], item[2], item[3], item[4], item[5], item[6], item[7]
 
     @cute.jit
     def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
@@ -211,3 +237,31 @@ class BalancedScheduler:
             slots_before[u] = before & 0xFFFF
             splits_before[u] = before >> 16
         return n, chunk, slots_before, splits_before, step & 0xFFFF, step >> 16
+
+
+class StepPlanKernel:
+    """Writes every work item of the balanced plan of one decode step (``BalancedScheduler.write_item``) and the
+    combine's split list into the workspace: grid (G,), one warp per item. Launched before the first layer's split
+    kernel of a step (ops/workspace.py ``StepPlans`` says when; its launch is captured with that layer's in a CUDA
+    graph). With PDL it lets the split kernel launch at once: the split kernel's ``griddepcontrol.wait`` waits for
+    this grid to complete, so its prologue (barriers, TMA descriptors) overlaps the planning."""
+
+    def __init__(self, block_n: int, use_pdl: bool = True):
+        self.scheduler = BalancedScheduler(block_n)
+        self.use_pdl = use_pdl
+
+    @cute.jit
+    def __call__(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
+                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, grid_items: cutlass.Int32, stream):
+        self.kernel(mSeq, mSplitIndex, mWork, num_splits, min_chunk, work_target).launch(
+            grid=(grid_items, 1, 1), block=[32, 1, 1], stream=stream, use_pdl=self.use_pdl)
+
+    @cute.kernel
+    def kernel(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
+               min_chunk: cutlass.Int32, work_target: cutlass.Int32):
+        w, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # seq_lens may come from the previous kernel
+        self.scheduler.write_item(mSeq, mSplitIndex, mWork, w, lane, num_splits, min_chunk, work_target)

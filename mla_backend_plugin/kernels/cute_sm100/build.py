@@ -44,6 +44,11 @@ def serving_variants() -> list[Variant]:
     return out
 
 
+def builds() -> list[Variant]:
+    """What the family exports and CI checks: its serving variants (the split kernels plan in-kernel here)."""
+    return serving_variants()
+
+
 def check_sass(variant: Variant, text: str, usage: dict, use_pdl: bool = True) -> list[str]:
     """What is wrong with a variant's SASS (empty when it passes); ``usage`` from sass.resource_usage."""
     problems = []
@@ -95,4 +100,4 @@ def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int
     """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm100 is built for {MANIFEST.archs}, not {arch!r}")
-    return build_in_pool(build_one, serving_variants() if variants is None else variants, arch, jobs, pdl_modes)
+    return build_in_pool(build_one, builds() if variants is None else variants, arch, jobs, pdl_modes)

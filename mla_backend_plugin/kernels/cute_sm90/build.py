@@ -17,8 +17,8 @@ import time
 from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
-from mla_backend_plugin.kernels.cute_sm90.config import Variant, shared_bytes
-from mla_backend_plugin.kernels.cute_sm90.launch import AOT
+from mla_backend_plugin.kernels.cute_sm90.config import PlanVariant, Variant, shared_bytes
+from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
 from mla_backend_plugin.ops.manifest import VariantResult
 
 
@@ -47,6 +47,12 @@ def serving_variants() -> list[Variant]:
     return out
 
 
+def builds() -> list[Variant | PlanVariant]:
+    """What the family exports (cache, ``--into-package``) and CI checks: every serving variant and the step-plan
+    kernel they all read their work items from."""
+    return serving_variants() + [STEP_PLAN]
+
+
 def _cuobjdump() -> str:
     return sass_tools.find_cuobjdump()
 
@@ -64,7 +70,7 @@ def inspect_cubin(path: str) -> dict:
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
 
-def _build_one(variant: Variant, arch: str, use_pdl: bool = True):
+def _build_one(variant: Variant | PlanVariant, arch: str, use_pdl: bool = True):
     from mla_backend_plugin.kernels.cute_sm90.launch import compile_variant
 
     t0 = time.time()
@@ -79,6 +85,11 @@ def _build_one(variant: Variant, arch: str, use_pdl: bool = True):
             return VariantResult(name, False, seconds=time.time() - t0, error=str(e).strip().splitlines()[-1])
     spills = (info["stack"] or 0) + (info["local"] or 0)
     problems = []
+    if isinstance(variant, PlanVariant):  # integer work only: no matrix units, no TMA
+        if spills or info["spill_ops"]:
+            problems.append(f"spills: stack {info['stack']} B, local {info['local']} B, {info['spill_ops']} STL/LDL")
+        return VariantResult(name, not problems, info["registers"], 0, spills, time.time() - t0,
+                             error="; ".join(problems))
     if variant.fp8_mma:  # design B: both products as e4m3 wgmma, nothing in 16 bits
         if info["qgmma"] == 0 or info["hgmma"]:
             problems.append(f"fp8 wgmma expected: {info['qgmma']} QGMMA, {info['hgmma']} HGMMA in the SASS")
@@ -102,4 +113,4 @@ def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int
     """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm90 is built for {MANIFEST.archs}, not {arch!r}")
-    return build_in_pool(_build_one, serving_variants() if variants is None else variants, arch, jobs, pdl_modes)
+    return build_in_pool(_build_one, builds() if variants is None else variants, arch, jobs, pdl_modes)

@@ -70,6 +70,18 @@ class Variant:
                 f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}{schedule}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanVariant:
+    """The step-plan kernel (cute_common/scheduler.py ``StepPlanKernel``): writes a step's work items of the
+    balanced plan for split kernels of KV tile ``block_n``; one binary serves every variant of the family."""
+
+    block_n: int
+
+    @property
+    def name(self) -> str:
+        return f"cute_sm90 step plan bn{self.block_n}"
+
+
 def m_blocks(num_heads: int, q_len: int) -> int:
     return -(-(num_heads * q_len) // BLOCK_M)
 

@@ -74,8 +74,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
                  mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
-                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor,
-                 num_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mWork: cute.Tensor,
                  grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
                  stream: cuda.CUstream):
         cd = self.cdtype
@@ -130,7 +129,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq,
                     mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
-                    mSplitIndex, num_splits, min_chunk, work_target, mCombineCtr, fuse_combine, q_layout, kv_layout,
+                    mWork, mCombineCtr, fuse_combine, q_layout, kv_layout,
                     p_layout,
                     v_layout_one.inner, v_outer).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -145,8 +144,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor,
                mLse: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor, mQScale: cute.Tensor,
                mKVScale: cute.Tensor, q_scale: cutlass.Float32, kv_scale: cutlass.Float32,
-               sm_scale_log2: cutlass.Float32, mSplitIndex: cute.Tensor, num_splits: cutlass.Int32,
-               min_chunk: cutlass.Int32, work_target: cutlass.Int32, mCombineCtr: cute.Tensor,
+               sm_scale_log2: cutlass.Float32, mWork: cute.Tensor, mCombineCtr: cute.Tensor,
                fuse_combine: cutlass.Int32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, v_swizzle, v_outer: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -184,8 +182,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.plan_item(
-            mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.read_item(mWork, w)
         n_pairs = (n_tiles + 1) // 2
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:

@@ -26,11 +26,20 @@ from mla_backend_plugin.kernels.cute_common.host import (
     scale_launch_args,
 )
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
-from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, Variant, m_blocks, softmax_scale_log2
+from mla_backend_plugin.kernels.cute_sm90.config import (
+    BLOCK_M,
+    BLOCK_N,
+    PlanVariant,
+    Variant,
+    m_blocks,
+    softmax_scale_log2,
+)
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
+from mla_backend_plugin.ops.workspace import step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
+STEP_PLAN = PlanVariant(BLOCK_N)
 AOT = AotCache.for_family("cute_sm90", "mla_decode_sm90", os.path.dirname(os.path.abspath(__file__)), __name__)
 
 
@@ -45,7 +54,8 @@ def unsupported_reason(args, cc) -> str | None:
     missing = dsl_missing()
     if missing:  # no JIT here: only a prebuilt library of the default variant can run (cute_common/aot.py)
         config = default_config(args, cc)
-        why = AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, ARCH)
+        why = (AOT.prebuilt_reason(variant_for(args, config), config.enable_pdl, ARCH)
+               or AOT.prebuilt_reason(STEP_PLAN, config.enable_pdl, ARCH))
         if why:
             return f"{missing} and no prebuilt library can be used: {why}; {AOT.prebuild_hint(ARCH)}"
     return None
@@ -96,13 +106,22 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    schedule="lockstep" if args.kv_dtype == FP8_DTYPE else envs.CUTE_MLA_SM90_SCHEDULE)
 
 
-def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = None, keep_dir: str | None = None):
+def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: str | None = None,
+                    keep_dir: str | None = None):
     """Compile one variant with symbolic sizes; ``arch`` (e.g. "sm_90a") compiles with no GPU present."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from mla_backend_plugin.kernels.cute_common.compat import compile_options
+
+    if isinstance(variant, PlanVariant):  # the step-plan kernel (cute_common/scheduler.py StepPlanKernel)
+        from mla_backend_plugin.kernels.cute_common.scheduler import StepPlanKernel
+
+        ints = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
+        return cute.compile(StepPlanKernel(variant.block_n, use_pdl=use_pdl), *ints, cutlass.Int32(1),
+                            cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+                            options=compile_options(arch, keep_dir))
     from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
 
     if variant.fp8_mma:
@@ -139,12 +158,12 @@ def compile_variant(variant: Variant, use_pdl: bool = True, arch: str | None = N
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    work_items = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     combine_counters = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
     op = kernel_class(variant, use_pdl=use_pdl)
     return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, row_kv_lens, out, lse, part_o, part_lse, q_scale_t,
-                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
-                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), combine_counters,
+                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), work_items,
+                        cutlass.Int32(1), combine_counters,
                         cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, keep_dir))
 
 
@@ -155,7 +174,7 @@ def prebuild(args, config: LaunchConfig, cc) -> bool:
 
 
 @functools.cache
-def _compiled(variant: Variant, use_pdl: bool):
+def _compiled(variant: Variant | PlanVariant, use_pdl: bool):
     """The variant's function, from the on-disk cache or compiled now (and cached). Runs outside CUDA-graph
     capture: vLLM's warm-up and the first eager call reach it first."""
     return compiled_from_cache_or_jit(
@@ -201,12 +220,17 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
     fused = fuses_combine(args, plan)
+    if step_needs_plan(args.step, workspace, args.seq_lens,
+                       (BLOCK_N, plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items)):
+        # the step's work items and the combine's split list, once per step (every call without a step)
+        _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
+                                                plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items,
+                                                stream)
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
     counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
-       softmax_scale_log2(args.softmax_scale), workspace.split_index, plan.num_splits, plan.min_chunk,
-       plan.work_target, plan.grid_items, counters, int(fused), stream)
+       softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, int(fused), stream)
     if plan.has_combine and not fused:
         # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
         # cost B=1 q_len 2 more than it saved anywhere (benchmarks/NOTES.md, cute_sm90 v3)
