@@ -67,7 +67,6 @@ GRIDS = {
 }
 DEFAULT_TIME_PER_KERNEL_S = {"standard": 0.25, "quick": 0.05}
 DEFAULT_PEERS = tuple(name for name, peer in PEERS.items() if not peer.opt_in)
-PLAN_PER_CALL = False  # --plan-per-call
 NOT_BENCHMARKED_KERNELS = ("reference",)  # host loop, not CUDA-graph safe
 H100_L2_BYTES = 50 * 2**20  # for --dry-run without a GPU
 # Device memory a cell needs beyond its KV copies, per query row (token x head): fp32 split-KV partials of
@@ -130,9 +129,11 @@ class OurKernel:
 
     kind = report.OURS
 
-    def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool, config: LaunchConfig | None = None):
+    def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool, config: LaunchConfig | None = None,
+                 plan_per_call: bool = False):
         self.kernel = kernel
         self.config = config
+        self.plan_per_call = plan_per_call  # --plan-per-call
         self.fp8_query = fp8_query  # the q dtype this variant takes in fp8-KV cells
         # an fp8-q variant next to the bf16-q one runs the same thing in bf16-KV cells: run it once
         self.shadowed_in_bf16_cells = shadowed_in_bf16_cells
@@ -174,7 +175,7 @@ class OurKernel:
         # the calls of one graph stand for the layers of one decode step, as a serving backend makes them: one
         # StepPlans, so a kernel with a step-plan kernel (cute_sm90) plans once per graph replay, where the
         # peers' scheduler metadata is made once in prepare (--plan-per-call: every call plans for itself)
-        step = None if PLAN_PER_CALL else StepPlans()
+        step = None if self.plan_per_call else StepPlans()
 
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
@@ -498,9 +499,11 @@ def build_runners(args, cc=None, cells: list[Cell] | None = None) -> list:
     kernels = resolve_kernels(args, cc)
     if args.candidates:
         ours = [TunedAuto(kernels, args.tune_time, args.retune)]
-        ours += [OurKernel(k, "bf16", False, config=c) for k in kernels for c in grid_configs(k, cells or [], cc)]
+        ours += [OurKernel(k, "bf16", False, config=c, plan_per_call=args.plan_per_call)
+                 for k in kernels for c in grid_configs(k, cells or [], cc)]
     else:
-        ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in args.ours_fp8_q))
+        ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in args.ours_fp8_q),
+                          plan_per_call=args.plan_per_call)
                 for k in kernels for q in dict.fromkeys(args.ours_fp8_q)]
     return ours + [PEERS[name] for name in args.peers]
 
@@ -639,9 +642,7 @@ def _cell_summary(cell: Cell, rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    global PLAN_PER_CALL
     args = parse_args(argv)
-    PLAN_PER_CALL = args.plan_per_call
     cells = build_cells(args)
     if args.dry_run:
         cc = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else divmod(args.assume_sm, 10)

@@ -486,6 +486,9 @@ def _capture_id(device: torch.device):
     return object()  # a capture we cannot tell apart from another: equal to nothing, so every launch plans
 
 
+_NOT_PLANNED = object()  # no plan recorded (None means planned outside any capture)
+
+
 class StepPlans:
     """What one decode step has planned on the device: a serving integration makes one per step (its metadata
     builder) and passes it to every layer's ``mla_decode(..., step=)``, so a family with a step-plan kernel
@@ -501,11 +504,11 @@ class StepPlans:
         self._done: dict[tuple, object] = {}
 
     def needs_plan(self, workspace: MLAWorkspace, seq_lens: torch.Tensor, key: tuple) -> bool:
-        """True when the caller must launch the step-plan kernel for ``key`` (the plan's fields) now; records that
-        it will."""
+        """True when the caller must launch the step-plan kernel for ``key`` (what the plan's table depends on
+        besides seq_lens) now; records that it will."""
         full = (seq_lens.data_ptr(), seq_lens.shape[0], key)
         where = _capture_id(workspace.device)
-        if workspace.planned == full and full in self._done and self._done[full] == where:
+        if workspace.planned == full and self._done.get(full, _NOT_PLANNED) == where:
             return False
         self._done[full] = where
         workspace.planned = full

@@ -220,8 +220,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
     fused = fuses_combine(args, plan)
-    if step_needs_plan(args.step, workspace, args.seq_lens,
-                       (BLOCK_N, plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items)):
+    if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
                                                 plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items,
