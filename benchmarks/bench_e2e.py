@@ -248,7 +248,7 @@ def worker(args) -> None:
               enforce_eager=args.eager, max_model_len=max(args.contexts) + longest_run(args),
               max_num_seqs=args.max_num_seqs or max(args.batches), max_num_batched_tokens=args.max_batched_tokens,
               enable_prefix_caching=args.prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-              **extra)
+              kv_cache_dtype=args.kv_cache_dtype, **extra)
     layers = json.loads((Path(args.model_dir) / "config.json").read_text())["num_hidden_layers"]
     start_s = time.perf_counter() - t0
     for context in args.contexts:
@@ -257,7 +257,8 @@ def worker(args) -> None:
                        for p in _prompts(batch, prompt_length(context, args.prefix_caching, args.prefix_tail),
                                          args.worker_spec, 0)]
             row = measure_cell(llm, SamplingParams, prompts, timers, args, batch, context)
-            row.update(start_s=round(start_s, 1), layers=layers, prefix_caching=args.prefix_caching)
+            row.update(start_s=round(start_s, 1), layers=layers, prefix_caching=args.prefix_caching,
+                       kv_cache_dtype=args.kv_cache_dtype)
             if args.prefix_caching:
                 row["prefix_tail"] = args.prefix_tail
             print("ROW " + json.dumps(row), flush=True)
@@ -319,7 +320,8 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
     cmd = [sys.executable, __file__, "--worker-backend", backend, "--worker-spec", str(spec), "--model-dir",
            args.model_dir, "--batches", ",".join(map(str, args.batches)), "--contexts",
            ",".join(map(str, args.contexts)), "--repeats", str(args.repeats), "--gpu-memory-utilization",
-           str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens)] \
+           str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens),
+           "--kv-cache-dtype", args.kv_cache_dtype] \
         + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []) \
         + (["--eager"] if args.eager else []) \
         + (["--prefix-caching", "--prefix-tail", str(args.prefix_tail)] if args.prefix_caching else []) \
@@ -425,10 +427,12 @@ def render(out_dir: Path) -> Path:
              "phase, differenced over 64 steps, medians) and decode tokens/s per backend; host time per step in "
              "CUTE_MLA's builder and forward_mqa. `mixed`: what decoding adds per step (ms) while prompts still "
              "prefill in chunks (eager attention, smaller chunks; the prefill itself cancels).", ""]
-    setups = sorted({(r.get("layers") or 0, bool(r.get("prefix_caching"))) for r in timed})
+    setups = sorted({(r.get("layers") or 0, bool(r.get("prefix_caching")), r.get("kv_cache_dtype") or "auto")
+                     for r in timed})
     if setups:
-        lines += ["Model: " + "; ".join(f"{n or '?'} layers, prefix caching {'on' if pc else 'off'}"
-                                        for n, pc in setups) + ".", ""]
+        lines += ["Model: " + "; ".join(f"{n or '?'} layers, prefix caching {'on' if pc else 'off'}, KV cache "
+                                        f"{'fp8' if kv == 'fp8' else 'model dtype'}" for n, pc, kv in setups) + ".",
+                  ""]
     keys = sorted({(r["context"], r["spec"], r["graphs"]) for r in timed})
     for context, spec, graphs in keys:
         cell = [r for r in timed if (r["context"], r["spec"], r["graphs"]) == (context, spec, graphs)]
@@ -573,6 +577,8 @@ def main(argv=None) -> int:
                         help="per cell, also trace one short and one long run's kernels (CUPTI): GPU busy and "
                              "attention-kernel time per step, the heaviest kernels")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the engines' KV cache: the model dtype (auto) or fp8 e4m3")
     parser.add_argument("--timeout", type=float, default=560)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--model-dir", default=None, help="default: a config written into the output directory")

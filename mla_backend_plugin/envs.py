@@ -122,9 +122,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Programmatic dependent launch (SM90+): `0` launches every kernel without it. Default of "
            "`mla_decode(enable_pdl=None)`.", kind="bool"),
     EnvVar("CUTE_MLA_FP8_DESIGN", "auto",
-           "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma, q as e4m3 hi + lo), `dequant` (widen the "
-           "cache to 16 bits; more accurate, and faster at batch 1-2 where each CTA has few tiles) or `auto` "
-           "(`dequant` up to batch 2, `fp8mma` above). Default of `mla_decode(fp8_design=None)`.",
+           "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma; a 16-bit q as e4m3 hi + lo, an fp8 q as it "
+           "is), `dequant` (widen the cache to 16 bits; more accurate, and with a 16-bit q faster at batch 1-2 "
+           "where each CTA has few tiles) or `auto` (`fp8mma`, except `dequant` up to batch 2 with a 16-bit q). "
+           "Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("auto", "fp8mma", "dequant")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
            "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
@@ -137,9 +138,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),
-    EnvVar("CUTE_MLA_FP8_QUERY", False,
-           "vLLM: let vLLM quantise q to fp8 when the KV cache is fp8 (the kernels then take the fp8 q).",
-           kind="bool"),
+    EnvVar("CUTE_MLA_FP8_QUERY", "auto",
+           "vLLM with an fp8 KV cache: `1` lets vLLM quantise q to fp8 (as for FlashMLA; the kernels take it "
+           "as it is), `0` keeps q in the model dtype (cute_sm90 then splits it into two e4m3 parts: more "
+           "accurate logits, ~1.3x slower at large batch), `auto` = `1` on Hopper (SM90), where that was "
+           "measured, else `0`.", kind="choice", choices=("auto", "1", "0")),
     EnvVar("CUTE_MLA_DECODE_MAX_QUERY_LEN", 128,
            "vLLM: requests of up to this many new tokens that already have KV context (the uncached tail of a "
            "prefix-cache hit, a short chunk, drafts of mixed counts) run on the decode path, as token requests "

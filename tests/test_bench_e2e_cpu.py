@@ -216,11 +216,13 @@ def test_a_timed_out_engine_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     args = argparse.Namespace(model_dir=str(tmp_path), batches=[1, 32], contexts=[1024], repeats=1,
                               gpu_memory_utilization=0.8, max_batched_tokens=16384, max_num_seqs=None, eager=False,
-                              prefix_caching=True, prefix_tail=16, kernel_profile=False, timeout=5)
+                              prefix_caching=True, prefix_tail=16, kernel_profile=False, timeout=5,
+                              kv_cache_dtype="fp8")
     rows = bench.run_backend(args, "X", 0, log_path=tmp_path / "log")
     assert rows[0]["step_ms"] == 2.0
     assert "timed out" in rows[1]["error"]
     assert "--prefix-caching" in seen["cmd"]
+    assert seen["cmd"][seen["cmd"].index("--kv-cache-dtype") + 1] == "fp8"  # the worker runs the asked cache
     assert seen["cmd"][seen["cmd"].index("--prefix-tail") + 1] == "16"
     assert "more" in (tmp_path / "log").read_text()
 

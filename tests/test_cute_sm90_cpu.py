@@ -58,17 +58,20 @@ def test_variant_key_covers_what_changes_the_binary():
 
 
 def test_fp8_design_by_batch_unless_named(monkeypatch):
-    """CUTE_MLA_FP8_DESIGN=auto (the default): design A (dequant) up to batch FP8_DEQUANT_MAX_BATCH, design B
-    above; a named design always wins."""
+    """CUTE_MLA_FP8_DESIGN=auto (the default): with a 16-bit q design A (dequant) up to batch
+    FP8_DEQUANT_MAX_BATCH, design B above; with an fp8 q design B always; a named design always wins."""
     monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
     small, large = (_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=b) for b in (launch.FP8_DEQUANT_MAX_BATCH,
                                                                                launch.FP8_DEQUANT_MAX_BATCH + 1))
     assert not variant_for(small).fp8_mma and variant_for(large).fp8_mma
     assert launch.default_config(small, (9, 0)).fp8_design == "dequant"
+    # an fp8 q has no hi + lo split to pay for: design B at every batch
+    small_fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=1)
+    assert variant_for(small_fp8_q).fp8_mma and launch.default_config(small_fp8_q, (9, 0)).fp8_design == "fp8mma"
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fp8mma")
     assert variant_for(small).fp8_mma
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
-    assert not variant_for(large).fp8_mma
+    assert not variant_for(large).fp8_mma and not variant_for(small_fp8_q).fp8_mma
     assert launch.default_config(_args(), (9, 0)).fp8_design is None  # 16-bit cache
 
 
@@ -112,7 +115,10 @@ def test_launch_configs(monkeypatch):
 
 
 def test_shared_memory_fits_one_cta_per_sm():
-    assert config.shared_bytes() <= 232_448  # sm_90 opt-in maximum per block
+    from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
+
+    for v in serving_variants() + [None]:
+        assert config.shared_bytes(v) <= 232_448, v  # sm_90 opt-in maximum per block
     assert config.m_blocks(128, 4) == 8 and config.m_blocks(16, 3) == 1
 
 

@@ -95,8 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.decode_max_query_len is not None:
         os.environ["CUTE_MLA_DECODE_MAX_QUERY_LEN"] = str(args.decode_max_query_len)
-    if args.fp8_query:
-        os.environ["CUTE_MLA_FP8_QUERY"] = "1"
+    os.environ["CUTE_MLA_FP8_QUERY"] = "1" if args.fp8_query else "0"
     stats_dir = None
     if args.tp > 1 and args.mode == "eager":
         import tempfile

@@ -262,6 +262,17 @@ def unsupported_reasons(*, head_size=None, dtype=None, kv_cache_dtype=None, bloc
     }
 
 
+def fp8_query(setting: str, cc: tuple[int, int] | None) -> bool:
+    """Whether the engine should hand the kernels an fp8 q with an fp8 KV cache (``CUTE_MLA_FP8_QUERY``:
+    ``auto`` / ``1`` / ``0``; ``cc`` is the GPU's compute capability, None without one). ``auto`` says yes on
+    SM90: cute_sm90 design B then runs one e4m3 Q K^T product instead of a split q's two, 1.3x faster at large
+    batch and at batch 1-2 faster than widening the cache, at the error of FlashMLA's fp8 path, which takes the
+    same q (benchmarks/NOTES.md, session 17). Elsewhere no such measurement exists: the model dtype stays."""
+    if setting == "auto":
+        return cc is not None and cc[0] == 9
+    return setting == "1"
+
+
 def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | None, num_heads: int,
                    out_dtype: torch.dtype, token_requests: bool = False) -> MLAWorkspace:
     """The workspace of one engine: split-KV partials for up to ``max_num_seqs`` requests of the decode q_len,

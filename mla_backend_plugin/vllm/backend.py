@@ -140,6 +140,12 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                                        self.cp_kv_cache_interleave_size, out=out)
 
 
+def engine_fp8_query() -> bool:
+    """CUTE_MLA_FP8_QUERY on this engine's GPU (serving.fp8_query)."""
+    cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return serving.fp8_query(envs.CUTE_MLA_FP8_QUERY, cc)
+
+
 def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
     """The autotuner's view of this engine: its full-CUDA-graph batch sizes (without full decode graphs: powers of
     two up to max_num_seqs), max_model_len, dtypes, speculative q_len and kernel block size."""
@@ -151,7 +157,7 @@ def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         model_dtype=vllm_config.model_config.dtype, kv_cache_dtype=vllm_config.cache_config.cache_dtype,
         block_size=block_size, max_model_len=vllm_config.model_config.max_model_len, capture_sizes=capture_sizes,
-        fp8_query=envs.CUTE_MLA_FP8_QUERY)
+        fp8_query=engine_fp8_query())
 
 
 def prebuild_decode_kernels(num_heads: int) -> None:
@@ -190,9 +196,9 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         total_heads = serving.check_num_heads(num_heads, compat.configured_dcp_size())
         serving.check_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
         prebuild_decode_kernels(total_heads)
-        # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (the kernels widen or split a
-        # 16-bit q themselves, more accurately)
-        self.supports_quant_query_input = envs.CUTE_MLA_FP8_QUERY
+        # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (serving.fp8_query: on Hopper by
+        # default, where cute_sm90 runs it fastest; otherwise the kernels widen or split the model-dtype q)
+        self.supports_quant_query_input = engine_fp8_query()
         self.runner = serving.DecodeRunner(scale, kv_cache_dtype)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: CuteMLAMetadata, layer):

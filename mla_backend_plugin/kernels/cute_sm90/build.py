@@ -24,15 +24,17 @@ from mla_backend_plugin.ops.manifest import VariantResult
 
 def serving_variants() -> list[Variant]:
     """What DeepSeek deployments on vLLM call: bf16 q/out, bf16 or fp8 cache (vLLM passes the fp8 scale as a
-    device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64; plus the other
-    page sizes, fp16 and an fp8 q at one shape each, and the per-row key-count variants of DCP with MTP and of
-    short prefills at 16 and 32 heads."""
-    out = [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=kv == "fp8")
-           for kv, h, q in itertools.product(("bf16", "fp8"), (16, 32, 64, 128), (1, 2, 3, 4))]
+    device tensor), every head count (TP 1/2/4/8) and q_len (MTP), vLLM's default page of 64, with an fp8 cache
+    both q forms (an fp8 q with a tensor scale is vLLM's default on Hopper: CUTE_MLA_FP8_QUERY); plus the other
+    page sizes and fp16 at one shape each, and the per-row key-count variants of DCP with MTP and of short
+    prefills at 16 and 32 heads."""
+    out = [Variant(kv, q_dtype, "bf16", h, q, 64, q_dtype == "fp8", kv == "fp8", fp8_mma=kv == "fp8")
+           for (kv, q_dtype), h, q in itertools.product((("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")),
+                                                        (16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("bf16", "bf16", "bf16", 128, 1, bs, False, False) for bs in (16, 32, 128)]
-    out += [Variant("fp8", "bf16", "bf16", 128, 2, bs, False, True, fp8_mma=True) for bs in (16, 128)]
-    out += [Variant("fp16", "fp16", "fp16", 128, 1, 64, False, False),
-            Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True)]
+    out += [Variant("fp8", q_dtype, "bf16", 128, 2, bs, q_dtype == "fp8", True, fp8_mma=True)
+            for bs in (16, 128) for q_dtype in ("bf16", "fp8")]
+    out += [Variant("fp16", "fp16", "fp16", 128, 1, 64, False, False)]
     # design A of the fp8 path, the default at batch 1-2 (launch.fp8_design_for): every head count and q_len
     out += [Variant("fp8", "bf16", "bf16", h, q, 64, False, True, fp8_mma=False)
             for h, q in itertools.product((16, 32, 64, 128), (1, 2, 3, 4))]
@@ -41,9 +43,9 @@ def serving_variants() -> list[Variant]:
     out += [Variant("bf16", "bf16", "bf16", 128, q, 64, False, False, schedule="lockstep") for q in (1, 2)]
     # per-row key counts: decode context parallelism with MTP, 128 heads per kernel call (e.g. TP8 x DCP8), and
     # vLLM's short prefills as token requests of 4 tokens at 16 heads (TP8) and 2 at 32 (ops/serving.py)
-    rows = (("bf16", False), ("fp8", True), ("fp8", False))
-    out += [Variant(kv, "bf16", "bf16", h, q, 64, False, kv == "fp8", fp8_mma=mma, row_kv_lens=True)
-            for (kv, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
+    rows = (("bf16", "bf16", False), ("fp8", "bf16", True), ("fp8", "bf16", False), ("fp8", "fp8", True))
+    out += [Variant(kv, q_dtype, "bf16", h, q, 64, q_dtype == "fp8", kv == "fp8", fp8_mma=mma, row_kv_lens=True)
+            for (kv, q_dtype, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
     return out
 
 

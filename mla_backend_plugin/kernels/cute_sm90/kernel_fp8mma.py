@@ -19,7 +19,7 @@ cache to bf16 in shared memory and runs bf16 wgmma); what differs:
 Four mbarrier rings of STAGES slots (cute_common.barriers.MbarrierRing): full_k (TMA bytes), full_v (128
 producer threads: V^T written), empty_k (256 consumer threads after Q K^T + 128 producer threads after the
 transpose: the K tile may be overwritten), empty_v (256 consumer threads after P V: the V^T stage may be
-overwritten).
+overwritten). The consumers issue P V of tile j and Q K^T of tile j + 1 as one wgmma group.
 
 Speed and accuracy against design A, and why Q_lo is needed: benchmarks/NOTES.md (cute_sm90 v3, fp8 design B).
 """
@@ -43,7 +43,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_TH
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
 
 F8 = cutlass.Float8E4M3FN
-STAGES = 2
+STAGES = 2  # K and V^T rings (a third K stage, in the room a one-part Q leaves, was slower: NOTES session 17)
 REGS_CONSUMER_B = 216
 REGS_PRODUCER_B = 72  # 2 x 216 + 72 = 504 = 65536 / 384 rounded down to 8: setmaxnreg.inc waits forever past that
 P_SCALE = 256.0  # P is stored as e4m3(P * 256): probabilities down to 2^-14 stay normal
@@ -335,6 +335,13 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                     addr = vst + d * 64 + (((g >> 2) ^ x) << 4) + (g & 3) * 4
                     _sts32(addr, outs[jj])
 
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_o, tOrP, tOrV, rings, pv_steps: cutlass.Constexpr, j):
+        """O += P_j V_j once the producer wrote V^T of tile j (P_j is in shared memory: barrier C)."""
+        rings.full_v.wait_filled(j)
+        for k in cutlass.range_constexpr(pv_steps):
+            cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, j % STAGES)], acc_o)
+
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def load_q(self, sQ, sQs, mQn, mQp, b, mblk, ctid):
@@ -441,29 +448,36 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
             row_scale[half] = scale_log2 * sQs[rl]
         lane = ctid % 32
 
-        for j in cutlass.range(n_tiles, unroll=1):
-            stage = j % STAGES
-            rings.full_k.wait_filled(j)
+        # Step i issues P V of tile i - 1 and Q K^T of tile i back to back and waits for both (one wgmma
+        # round trip per tile instead of two; acc_s is free once the softmax of tile i - 1 stored P), then
+        # runs the softmax of tile i. Steps 0 and n_tiles are the half-steps (no P V / no Q K^T); an item with
+        # no tiles (a request of length 0) takes no step.
+        # (Each branch commits its own group: ptxas fills a commit after the join with a dummy HGMMA.)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # here: set inside a branch, the DSL loses the value
+        n_steps = n_tiles + cutlass.Int32(n_tiles > 0)
+        for i in cutlass.range(n_steps, unroll=1):
             warpgroup.fence()
-            for qp in cutlass.range_constexpr(self.q_parts):
-                for k in cutlass.range_constexpr(k_steps):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, qp != 0 or k != 0)
-                    cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, qp)], tSrK[(None, None, k, stage)], acc_s)
-            warpgroup.commit_group()
+            if i < n_tiles:
+                if i > 0:
+                    self.issue_pv(pv_mma, acc_o, tOrP, tOrV, rings, pv_steps, i - 1)
+                rings.full_k.wait_filled(i)
+                for qp in cutlass.range_constexpr(self.q_parts):
+                    for k in cutlass.range_constexpr(k_steps):
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, qp != 0 or k != 0)
+                        cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, qp)],
+                                  tSrK[(None, None, k, i % STAGES)], acc_s)
+                warpgroup.commit_group()
+            else:
+                self.issue_pv(pv_mma, acc_o, tOrP, tOrV, rings, pv_steps, i - 1)
+                warpgroup.commit_group()
             warpgroup.wait_group(0)
-            rings.empty_k.arrive(j)  # this thread is done with the K tile
-
-            self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
-                              kv_start + j * BLOCK_N, F8, P_SCALE)
-
-            rings.full_v.wait_filled(j)  # V^T of this tile written
-            warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(pv_steps):
-                cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            rings.empty_v.arrive(j)
+            if i > 0:
+                rings.empty_v.arrive(i - 1)
+            if i < n_tiles:
+                rings.empty_k.arrive(i)  # this thread is done with the K tile
+                # barrier A inside: both groups retired P_{i-1} V_{i-1} before either overwrites P
+                self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp,
+                                  lane, kv_start + i * BLOCK_N, F8, P_SCALE)
 
         # O carries the P scale
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,

@@ -61,17 +61,19 @@ def unsupported_reason(args, cc) -> str | None:
     return None
 
 
-# fp8 caches, CUTE_MLA_FP8_DESIGN=auto: design A ("dequant") up to this batch, design B ("fp8mma") above. At batch
-# 1-2 each CTA has a few tiles and design B's fixed cost (q split into e4m3 hi + lo, a larger kernel) outweighs
-# its faster tiles: H100, B 1-2 x S 1k/8k x q_len 1/2, A took 19.4-46.9 us where B took 27.7-50.7
-# (benchmarks/NOTES.md, session 12); from B=8 on B is faster (NOTES, cute_sm90 v3).
+# fp8 caches, CUTE_MLA_FP8_DESIGN=auto, 16-bit q: design A ("dequant") up to this batch, design B ("fp8mma")
+# above. At batch 1-2 each CTA has a few tiles and design B's fixed cost (q split into e4m3 hi + lo, a larger
+# kernel) outweighs its faster tiles: H100, B 1-2 x S 1k/8k x q_len 1/2, A took 19.4-46.9 us where B took
+# 27.7-50.7 (benchmarks/NOTES.md, session 12); from B=8 on B is faster (NOTES, cute_sm90 v3). An fp8 q has no
+# split to pay for: design B at every batch (B 1-2: 10-44% faster than A; NOTES, session 17).
 FP8_DEQUANT_MAX_BATCH = 2
 
 
 def fp8_design_for(args) -> str:
     design = envs.CUTE_MLA_FP8_DESIGN
     if design == "auto":
-        design = "dequant" if args.batch <= FP8_DEQUANT_MAX_BATCH else "fp8mma"
+        small = args.batch <= FP8_DEQUANT_MAX_BATCH and args.q_dtype != FP8_DTYPE
+        design = "dequant" if small else "fp8mma"
     return design
 
 
