@@ -29,7 +29,10 @@ def test_fp8mma_compiles_to_e4m3_wgmma_without_spills(tmp_path):
     sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     qk = len(re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3", sass))
     pv = len(re.findall(r"QGMMA\.64x256x32\.F32\.E4M3\.E4M3", sass))
-    assert qk == 2 * 18 and pv == 2, (qk, pv)  # q hi + lo over K = 576; P V over 64 keys
+    # q hi + lo over K = 576; P V over 64 keys, emitted twice: grouped with the next tile's Q K^T, and alone in
+    # the last step
+    assert qk == 2 * 18 and pv == 2 * 2, (qk, pv)
+    assert info["wgmma_waits"] == 1, info  # one wait per step: P V j and Q K^T j + 1 are one group
     assert info["hgmma"] == 0  # no 16-bit wgmma left
     assert info["utmaldg"] > 0
     assert not (info["stack"] or info["local"] or info["spill_ops"]), info
