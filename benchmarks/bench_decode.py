@@ -43,6 +43,7 @@ import report
 import torch
 from peers import PEERS, Cell, PeerCall, cell_inputs, check_against_reference
 
+from mla_backend_plugin import envs
 from mla_backend_plugin.ops import autotune, serving
 from mla_backend_plugin.ops.api import mla_decode, prepare_args
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
@@ -395,8 +396,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "failure it is reported n/a (default: %(default)s)")
     sel.add_argument("--ours-fp8-q", type=_name_list, default=None,
                      help="q dtype(s) our kernels take in fp8-KV cells: fp8 (CUTE_MLA_FP8_QUERY=1), bf16 (=0), or "
-                          "fp8,bf16 for both (default: what the CUTE_MLA vLLM backend takes on this GPU: fp8 on "
-                          "SM90, else bf16)")
+                          "fp8,bf16 for both (default: what the CUTE_MLA vLLM backend takes on this GPU under "
+                          "this environment's CUTE_MLA_FP8_QUERY: by default fp8 on SM90, else bf16)")
     grid = parser.add_argument_group("grid (defaults: the standard grid, or the quick one with --quick)")
     grid.add_argument("--quick", action="store_true", help="a subset of the grid that runs in < 2 minutes")
     grid.add_argument("--batches", type=_int_list, help="batch sizes B, e.g. 1,8,32")
@@ -502,8 +503,8 @@ def build_runners(args, cc=None, cells: list[Cell] | None = None) -> list:
         ours += [OurKernel(k, "bf16", False, config=c, plan_per_call=args.plan_per_call)
                  for k in kernels for c in grid_configs(k, cells or [], cc)]
     else:
-        q_dtypes = args.ours_fp8_q or (("fp8",) if serving.fp8_query("auto", tuple(cc) if cc else None)
-                                       else ("bf16",))
+        q_dtypes = args.ours_fp8_q or (("fp8",) if serving.fp8_query(envs.CUTE_MLA_FP8_QUERY,
+                                                                     tuple(cc) if cc else None) else ("bf16",))
         ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in q_dtypes),
                           plan_per_call=args.plan_per_call)
                 for k in kernels for q in dict.fromkeys(q_dtypes)]

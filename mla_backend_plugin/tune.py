@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache dtypes: fp8, or bf16/fp16 (a 16-bit cache has the model's dtype)")
     g.add_argument("--q-dtype", choices=("auto", "model", "fp8"), default="auto",
                    help="q with an fp8 cache: the model dtype (CUTE_MLA_FP8_QUERY=0), fp8 (=1), or auto: what "
-                        "a vLLM engine on this GPU takes by default (fp8 on SM90)")
+                        "a vLLM engine on this GPU takes under this environment's CUTE_MLA_FP8_QUERY (by "
+                        "default fp8 on SM90)")
     g.add_argument("--dtype", choices=("bf16", "fp16"), help="model dtype (default: --model's, else bf16)")
     g.add_argument("--heads", type=int, help="query heads per rank (default: --model's / --tp, else 128)")
     g.add_argument("--block-size", type=int, default=64, choices=SUPPORTED_BLOCK_SIZES, help="KV page size")
@@ -114,12 +115,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shape_keys(args, cc) -> list:
+    from mla_backend_plugin import envs
     from mla_backend_plugin.ops import serving
     from mla_backend_plugin.ops.autotune import Deployment
 
     keys = []
     for kv in dict.fromkeys("fp8" if d == "fp8" else args.dtype for d in args.kv_dtypes):  # 16-bit = the model's
-        fp8_q = args.q_dtype == "fp8" or (args.q_dtype == "auto" and serving.fp8_query("auto", cc))
+        fp8_q = args.q_dtype == "fp8" or (args.q_dtype == "auto" and serving.fp8_query(envs.CUTE_MLA_FP8_QUERY, cc))
         q = "fp8" if kv == "fp8" and fp8_q else args.dtype
         for q_len in args.q_lens:
             dep = Deployment(num_heads=args.heads, q_len=q_len, kv_dtype=kv, q_dtype=q,

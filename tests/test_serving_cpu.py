@@ -217,18 +217,28 @@ def test_runner_runs_more_requests_than_the_workspace_in_slices(monkeypatch):
 
 def test_fp8_query_by_setting_and_gpu():
     """CUTE_MLA_FP8_QUERY: `auto` hands the kernels an fp8 q on SM90 only (where it was measured), `1` / `0`
-    everywhere; a bad value is refused by name."""
+    everywhere."""
     assert serving.fp8_query("auto", (9, 0)) and not serving.fp8_query("auto", (10, 0))
     assert not serving.fp8_query("auto", None) and not serving.fp8_query("auto", (12, 0))
     assert serving.fp8_query("1", (10, 0)) and not serving.fp8_query("0", (9, 0))
 
 
+def test_fp8_query_setting_is_checked_by_name(monkeypatch):
+    from mla_backend_plugin import envs
+
+    monkeypatch.setenv("CUTE_MLA_FP8_QUERY", "yes")
+    with pytest.raises(ValueError, match="CUTE_MLA_FP8_QUERY='yes': allowed values are auto, 1, 0"):
+        envs.get("CUTE_MLA_FP8_QUERY")
+
+
 def test_offline_tuner_takes_the_q_an_engine_takes(monkeypatch):
     """`python -m mla_backend_plugin.tune --q-dtype auto` (the default) tunes fp8-cache shapes with the q a vLLM
-    engine on that GPU gets: fp8 on SM90, the model dtype elsewhere; `model` / `fp8` name one."""
+    engine on that GPU gets under CUTE_MLA_FP8_QUERY: fp8 on SM90 by default, the model dtype elsewhere;
+    `model` / `fp8` name one."""
     from mla_backend_plugin import tune
 
     monkeypatch.delenv("CUTE_MLA_TUNE_SEQ_LENS", raising=False)
+    monkeypatch.delenv("CUTE_MLA_FP8_QUERY", raising=False)
     base = ["--kv-dtypes", "fp8", "--batches", "1", "--seq-lens", "1024", "--heads", "128"]
 
     def q_dtypes(extra, cc):
@@ -236,3 +246,5 @@ def test_offline_tuner_takes_the_q_an_engine_takes(monkeypatch):
 
     assert q_dtypes([], (9, 0)) == {"fp8"} and q_dtypes([], (10, 0)) == {"bf16"}
     assert q_dtypes(["--q-dtype", "model"], (9, 0)) == {"bf16"} and q_dtypes(["--q-dtype", "fp8"], (10, 0)) == {"fp8"}
+    monkeypatch.setenv("CUTE_MLA_FP8_QUERY", "0")  # an engine told to keep the model dtype is tuned with it
+    assert q_dtypes([], (9, 0)) == {"bf16"}
