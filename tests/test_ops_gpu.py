@@ -24,6 +24,7 @@ the runtime is those compiles.
 from __future__ import annotations
 
 import math
+import random
 import zlib
 
 import pytest
@@ -31,7 +32,7 @@ import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
-from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, WORK_ITEM_INTS
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,
@@ -327,7 +328,35 @@ def _check_balanced_split_list(inp, lens, q_len, heads):
     for b in sched.split_requests:
         expected += [b, sched.slot_base[b], sched.splits[b]]
     assert ws.split_index[:len(expected)].tolist() == expected
+    # the step's table: the items longest first (BalancedSchedule.longest_first), each with its own slot w; the
+    # places past the schedule's end say so (request + 1 = 0)
+    table = ws.work_items[:plan.grid_items * WORK_ITEM_INTS].view(plan.grid_items, WORK_ITEM_INTS).tolist()
+    for r, w in enumerate(sched.longest_first()):
+        b, s = sched.items[w]
+        chunk, n = sched.chunk[b], sched.splits[b]
+        start, end = s * chunk, min((s + 1) * chunk, lens[b])
+        want = [b + 1, b, lens[b], n, w - s, start, end, -(-max(end - start, 0) // CUTE_BLOCK_N), w]
+        assert table[r] == want, (r, table[r], want)
+    assert all(row[0] == 0 for row in table[len(sched.items):])
     return sched, plan
+
+
+@pytest.mark.parametrize("kv_kind,q_form", [("bf16", "pair"), ("fp8", "pair"), ("fp8", "fp8")])
+def test_long_tail_batch_runs_longest_first(kv_kind, q_form):
+    """130 requests of log-normal lengths (median 512, up to 8k; one of length 0, one of 1): more work items than
+    the GPU has slots, so cute_sm90's table runs them longest first (not in the schedule's order) while the
+    partial slots and the combine stay the schedule's. Correct output, and the table is the reference's."""
+    batch, q_len, heads, bs = 130, 1, 128, 64
+    seed = _seed("long-tail", kv_kind, q_form)
+    rng = random.Random(seed)
+    lens = [min(8192, max(1, int(rng.lognormvariate(math.log(512), 1.2)))) for _ in range(batch)]
+    lens[0], lens[3], lens[7] = 8192, 0, 1
+    fp8 = kv_kind == "fp8"
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed,
+                             q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None)
+    sched, _ = _check_balanced_split_list(inp, lens, q_len, heads)
+    if sched is not None:
+        assert sched.longest_first() != list(range(len(sched.items)))  # the case this test is for
 
 
 @pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])

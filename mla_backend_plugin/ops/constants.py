@@ -17,8 +17,9 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 # int32s per work item in a workspace's step table (kernels/cute_common/scheduler.py ``StepPlanKernel``): request + 1
 # (0 past the schedule's end), request, its KV length, its splits, its first partial slot, the item's KV range
-# [start, end) and its tiles.
-WORK_ITEM_INTS = 8
+# [start, end), its tiles and its own partial slot (its index w in the schedule: the table holds the items in
+# launch order, longest first, so a CTA's index is not its slot).
+WORK_ITEM_INTS = 9
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn

@@ -140,7 +140,23 @@ class BalancedSchedule:
     slot_base: list[int]  # S_b: the first partial slot (= work item) of a split request; -1 for others
     num_slots: int  # NS: items (and partial slots) of split requests
     split_requests: list[int]  # b of every split request, in order (the combine's list)
-    items: list[tuple[int, int]]  # work item w -> (request, split), in order
+    items: list[tuple[int, int]]  # work item w -> (request, split), in order; w is also the item's partial slot
+    block_n: int  # the plan's tile (keys)
+
+    def item_tiles(self, w: int) -> int:
+        """Tiles of work item w as the launch order counts them: min(ct_b, tiles_b - s ct_b), so a request of
+        length 0 counts its one tile."""
+        b, s = self.items[w]
+        ct = self.chunk[b] // self.block_n
+        return min(ct, self.tiles[b] - s * ct)
+
+    def longest_first(self) -> list[int]:
+        """The launch order of a step-planned kernel (cute_sm90's ``StepPlanKernel``): work items by tiles,
+        longest first, ties in order of w. CTAs start in launch order, so this is greedy longest-processing-time
+        list scheduling: a long unsplit request no longer starts in the last wave of a batch with more items than
+        SMs (long-tail B=128: 1.5x shorter modelled step, benchmarks/NOTES.md session 18). Position r of the
+        step's table holds item ``longest_first()[r]``."""
+        return sorted(range(len(self.items)), key=lambda w: (-self.item_tiles(w), w))
 
 
 def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, max_splits: int) -> BalancedSchedule:
@@ -179,6 +195,11 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     ``part = w * (q_len * H) + row``; an unsplit item writes the final output. The CTA (m_blk 0, split 0) of
     the j-th split request writes ``index[1 + 3 j : 4 + 3 j] = (b, S_b, n_b)`` and the CTA (m_blk 0, w 0)
     writes ``index[0] = J`` (the number of split requests), which is all the combine reads.
+
+    Launch order: a kernel that derives its item from seq_lens (Triton, cute_sm100) runs item w as CTA column w.
+    A step-planned kernel (cute_sm90) runs the items longest first (``BalancedSchedule.longest_first``): its plan
+    kernel writes item w at its rank in that order, with w as the item's slot, so the slots, the split list and
+    the combine are the same either way.
     """
     tiles = [max(_cdiv(int(x), block_n), 1) for x in seq_lens]
     total, batch, w = sum(tiles), len(tiles), work_target
@@ -217,7 +238,8 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
             slot_base.append(-1)
     items.extend((b, 0) for b, n in enumerate(splits) if n == 1)
     return BalancedSchedule(tiles=tiles, total_tiles=total, per_work=p, splits=splits, chunk=chunk,
-                            slot_base=slot_base, num_slots=ns, split_requests=split_requests, items=items)
+                            slot_base=slot_base, num_slots=ns, split_requests=split_requests, items=items,
+                            block_n=block_n)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -236,10 +258,11 @@ def makespan(cta_costs, num_sms: int) -> float:
 
 
 def plan_cta_costs(plan: SplitPlan, seq_lens, q_len: int, num_heads: int, block_n: int,
-                   cta_overhead: float = 1.5, exit_cost: float = 0.15) -> list[float]:
+                   cta_overhead: float = 1.5, exit_cost: float = 0.15, longest_first: bool = False) -> list[float]:
     """Cost of every CTA of the split kernel in launch order (x fastest), in units of one KV tile of block_n
     keys: a working CTA costs ``cta_overhead`` (prologue, q load, epilogue) plus its tiles, a CTA that
-    exits at once ``exit_cost``."""
+    exits at once ``exit_cost``. ``longest_first``: the balanced plan's items in a step-planned kernel's order
+    (``BalancedSchedule.longest_first``) instead of w's."""
     m_blocks = _cdiv(q_len * num_heads, plan.rows_per_cta)
     costs: list[float] = []
     if not plan.balanced:  # grid (B, m_blocks, Z)
@@ -251,9 +274,10 @@ def plan_cta_costs(plan: SplitPlan, seq_lens, q_len: int, num_heads: int, block_
                     costs.append(cta_overhead + tiles if z < n else exit_cost)
         return costs
     sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
-    for w in range(plan.grid_items):  # grid (m_blocks, G)
-        if w < len(sched.items):
-            b, s = sched.items[w]
+    order = sched.longest_first() if longest_first else list(range(len(sched.items)))
+    for r in range(plan.grid_items):  # grid (m_blocks, G)
+        if r < len(order):
+            b, s = sched.items[order[r]]
             chunk = sched.chunk[b]
             tiles = _cdiv(max(min(chunk, int(seq_lens[b]) - s * chunk), 0), block_n)
             costs.extend([cta_overhead + tiles] * m_blocks)

@@ -34,7 +34,16 @@ class BalancedScheduler:
         the partial slot of its split 0 (= w - split: a split request's slots are consecutive); the item's KV
         range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
         (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
-        b1, split, n_splits, chunk, j, num_split = self.work_item(mSeq, w, num_splits, min_chunk, work_target)
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, _, _ = self.plan_item_and_totals(
+            mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
+        return b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles
+
+    @cute.jit
+    def plan_item_and_totals(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits,
+                             min_chunk, work_target):
+        """``plan_item``'s tuple, then the schedule's p (tiles per item) and NS (partial slots)."""
+        b1, split, n_splits, chunk, j, num_split, per_work, num_slots = self.work_item(
+            mSeq, w, num_splits, min_chunk, work_target)
         if tidx == 0 and mblk == 0:
             if w == 0:
                 mSplitIndex[0] = num_split
@@ -47,31 +56,76 @@ class BalancedScheduler:
         kv_start = split * chunk
         kv_end = cutlass.min(kv_start + chunk, seq_len)
         n_tiles = cutlass.max(kv_end - kv_start + self.block_n - 1, 0) // self.block_n
-        return b1, b, seq_len, n_splits, w - split, kv_start, kv_end, n_tiles
+        return b1, b, seq_len, n_splits, w - split, kv_start, kv_end, n_tiles, per_work, num_slots
 
     @cute.jit
     def write_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, w, lane, num_splits,
                    min_chunk, work_target):
-        """Work item w as ``plan_item`` derives it (the split list too), stored at ``mWork[w]`` by lane 0 in the
-        order ``read_item`` loads it; items past the schedule's end store b1 = 0."""
-        item = self.plan_item(mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target)
+        """Work item w as ``plan_item`` derives it (the split list too) and w itself (its partial slot), stored
+        by lane 0 in the order ``read_item`` loads it at the item's rank in the longest-first launch order
+        (``launch_rank``); items past the schedule's end store b1 = 0 at their own index (the ranks of the
+        schedule's N items are 0..N-1)."""
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, per_work, num_slots = self.plan_item_and_totals(
+            mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target)
+        rank = w
+        if b1 > 0:  # warp-uniform
+            rank = self.launch_rank(mSeq, w, cutlass.max(n_tiles, 1), per_work, num_splits, num_slots)
         if lane == 0:
+            item = (b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, w)
             for i in cutlass.range_constexpr(len(item)):
-                mWork[w * WORK_ITEM_INTS + i] = item[i]
+                mWork[rank * WORK_ITEM_INTS + i] = item[i]
+
+    @cute.jit
+    def launch_rank(self, mSeq: cute.Tensor, w, key, per_work, num_splits, num_slots):
+        """Position of item w, of ``key`` tiles, in the launch order (ops/workspace.py
+        ``BalancedSchedule.longest_first``): the items with more tiles, plus those with as many and a smaller
+        index. Request b's n_b items start at index f_b (S_b when split, else NS + #unsplit requests before b)
+        and have ct_b tiles but the last, which has tiles_b - (n_b - 1) ct_b (ct_b when unsplit), so each lane
+        counts its requests' items in closed form: one more pass over seq_lens, as pass 3 of ``work_item``."""
+        batch = mSeq.shape[0]
+        lane = cute.arch.lane_idx()
+        lane_rank = cutlass.Int32(0)
+        slots_so_far = cutlass.Int32(0)
+        splits_so_far = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
+                mSeq, base, batch, per_work, num_splits, lane)
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if n[u] > 0:  # inside the batch
+                    tiles = cutlass.max((mSeq[b] + self.block_n - 1) // self.block_n, 1)
+                    ct = chunk[u] // self.block_n
+                    last = tiles - (n[u] - 1) * ct
+                    first = num_slots + b - (splits_so_far + splits_before[u])
+                    if n[u] > 1:
+                        first = slots_so_far + slots_before[u]
+                    if ct > key:
+                        lane_rank = lane_rank + n[u] - 1
+                    if ct == key:
+                        lane_rank = lane_rank + cutlass.max(cutlass.min(w - first, n[u] - 1), 0)
+                    if last > key:
+                        lane_rank = lane_rank + 1
+                    if last == key:
+                        if first + n[u] - 1 < w:
+                            lane_rank = lane_rank + 1
+            slots_so_far = slots_so_far + step_slots
+            splits_so_far = splits_so_far + step_splits
+        return cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_rank))
 
     @cute.jit
     def read_item(self, mWork: cute.Tensor, w):
-        """``plan_item``'s tuple for work item w from the step's table (``StepPlanKernel`` wrote it): 8 independent
-        loads, no pass over seq_lens."""
+        """The item CTA column w runs: ``plan_item``'s tuple and the item's partial slot, from the step's table
+        (``StepPlanKernel`` wrote it in launch order): 9 independent loads, no pass over seq_lens."""
         item = [None] * WORK_ITEM_INTS
         for i in cutlass.range_constexpr(WORK_ITEM_INTS):
             item[i] = mWork[w * WORK_ITEM_INTS + i]
-        return item[0], item[1], item[2], item[3], item[4], item[5], item[6], item[7]
+        return item[0], item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8]
 
     @cute.jit
     def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
         """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
-        request; its chunk in tokens; its index j among split requests; J, the number of split requests).
+        request; its chunk in tokens; its index j among split requests; J, the number of split requests; p, the
+        tiles per item; NS, the partial slots).
 
         The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
         Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
@@ -123,7 +177,7 @@ class BalancedScheduler:
         src = cutlass.min(cute.arch.popc((hits & (0 - hits)) - 1), 31)  # the lowest set bit's lane
         return (cute.arch.shuffle_sync(hit_b1, src), cute.arch.shuffle_sync(hit_split, src),
                 cute.arch.shuffle_sync(hit_n, src), cute.arch.shuffle_sync(hit_chunk, src),
-                cute.arch.shuffle_sync(hit_j, src), num_split)
+                cute.arch.shuffle_sync(hit_j, src), num_split, per_work, num_slots)
 
     @cute.jit
     def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):

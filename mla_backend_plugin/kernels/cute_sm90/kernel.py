@@ -227,7 +227,7 @@ class Sm90MlaDecode:
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.read_item(mWork, w)
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -241,7 +241,7 @@ class Sm90MlaDecode:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX,
                              storage.sQ.data_ptr(), mQn, mQp, mBT, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
-                             mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start,
+                             mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start,
                              kv_end, n_tiles, tidx - 128)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
@@ -359,7 +359,7 @@ class Sm90MlaDecode:
     @cute.jit
     def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, stage_ptr, mQn, mQp, mBT,
                 mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits,
-                b, mblk, w, seq_len, kv_start, kv_end, n_tiles, ctid):
+                b, mblk, slot, seq_len, kv_start, kv_end, n_tiles, ctid):
         cd = self.cdtype
         grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
 
@@ -435,7 +435,7 @@ class Sm90MlaDecode:
             read_state.advance()
 
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
-                          mPartLse, kscale, 1.0, n_splits, b, mblk, w)
+                          mPartLse, kscale, 1.0, n_splits, b, mblk, slot)
 
     @cute.jit
     def row_kv_limit(self, mRowKv, b, r, seq_len, kv_end):
@@ -515,10 +515,10 @@ class Sm90MlaDecode:
 
     @cute.jit
     def store_result(self, acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
-                     mPartLse, kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, w):
+                     mPartLse, kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, slot):
         """Epilogue of both consumer groups (every design): add the other group's half of each row sum, then
         an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its fp32 partial (O / l,
-        log2 LSE) to slot w. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256).
+        log2 LSE) to ``slot``. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256).
 
         The 64 x 512 tile goes through shared memory at ``stage_ptr`` (Q's buffer and the KV ring after it,
         free once both groups' wgmmas have retired: they did before the row-sum barrier) and leaves as whole
@@ -574,17 +574,18 @@ class Sm90MlaDecode:
             s_part = self.staged_tile(stage_ptr, cutlass.Float32)
             pv_thr.partition_C(s_part).store(acc_o.load())
             consumer_barrier()
-            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // 4), 256, unroll=4):  # slot w of the plan
+            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // 4), 256, unroll=4):  # the item's slot of the plan
                 row = i // (D_NOPE // 4)
                 r = self.output.row(mblk, row)
                 if r < rows:
-                    dst = cute.local_tile(mPartO[(self.output.partial_index(w, r), None)], (4,), (i % (D_NOPE // 4),))
+                    part = self.output.partial_index(slot, r)
+                    dst = cute.local_tile(mPartO[(part, None)], (4,), (i % (D_NOPE // 4),))
                     dst.store(cute.local_tile(s_part[(row, None)], (4,), (i % (D_NOPE // 4),)).load())
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
-                        mPartLse[self.output.partial_index(w, r)] = lse2[half]
+                        mPartLse[self.output.partial_index(slot, r)] = lse2[half]
 
     @cute.jit
     def combine_in_kernel(self, mCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale, kv_scale, b, mblk,

@@ -209,7 +209,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.read_item(mWork, w)
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_B)
@@ -219,7 +219,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_B)
                 self.consume_b(qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, storage.sQ.data_ptr(), mQn,
                                mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
-                               sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
+                               sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
                                            kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
@@ -410,7 +410,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     @cute.jit
     def consume_b(self, qk_mma, pv_mma, rings, sQ, sK, sVt, sP, sMaxX, sSumX, sQs, stage_ptr, mQn, mQp, mRowKv,
                   mOut, mLse,
-                  mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w,
+                  mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot,
                   seq_len, kv_start, kv_end, n_tiles, ctid):
         grp = ctid // 128
 
@@ -481,4 +481,4 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
 
         # O carries the P scale
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
-                          mPartLse, kscale, 1.0 / P_SCALE, n_splits, b, mblk, w)
+                          mPartLse, kscale, 1.0 / P_SCALE, n_splits, b, mblk, slot)

@@ -182,7 +182,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles = self.scheduler.read_item(mWork, w)
+        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
         n_pairs = (n_tiles + 1) // 2
         if b1 > 0:  # else: past the end of the schedule
             if wg == 0:
@@ -194,7 +194,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 self.consume_seesaw(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0,
                                     sP1, sMaxA, sMaxB, sSumX, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse,
                                     mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b,
-                                    mblk, w, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+                                    mblk, slot, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
                                            kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
@@ -286,7 +286,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
     @cute.jit
     def consume_seesaw(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0, sP1,
                        sMaxA, sMaxB, sSumX, stage_ptr, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
-                       mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, w, seq_len, kv_start, kv_end,
+                       mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start, kv_end,
                        n_pairs, ctid, grp):
         """``grp`` (warp-uniform, from make_warp_uniform): 0 = left (tiles A, output columns 0..255), 1 = right
         (tiles B, columns 256..511). ptxas must see the branch on it as uniform, or it serialises every wgmma
@@ -432,7 +432,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                     self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, i + 1, 1, 1)
 
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
-                          mPartLse, kscale, 1.0, n_splits, b, mblk, w)
+                          mPartLse, kscale, 1.0, n_splits, b, mblk, slot)
 
     @cute.jit
     def scaled_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):
