@@ -96,9 +96,8 @@ class BalancedScheduler:
                     tiles = cutlass.max((mSeq[b] + self.block_n - 1) // self.block_n, 1)
                     ct = chunk[u] // self.block_n
                     last = tiles - (n[u] - 1) * ct
-                    first = num_slots + b - (splits_so_far + splits_before[u])
-                    if n[u] > 1:
-                        first = slots_so_far + slots_before[u]
+                    first = self.first_item(n[u], b, slots_so_far + slots_before[u], splits_so_far + splits_before[u],
+                                            num_slots)
                     if ct > key:
                         lane_rank = lane_rank + n[u] - 1
                     if ct == key:
@@ -167,7 +166,8 @@ class BalancedScheduler:
                     mSeq, base, batch, per_work, num_splits, lane)
                 for u in cutlass.range_constexpr(4):
                     b = base + 4 * lane + u
-                    if b < batch and n[u] == 1 and num_slots + b - (splits_so_far + splits_before[u]) == w:
+                    if b < batch and n[u] == 1 and self.first_item(1, b, 0, splits_so_far + splits_before[u],
+                                                                   num_slots) == w:
                         hit_b1 = b + 1
                         hit_n = 1
                         hit_chunk = chunk[u]
@@ -178,6 +178,16 @@ class BalancedScheduler:
         return (cute.arch.shuffle_sync(hit_b1, src), cute.arch.shuffle_sync(hit_split, src),
                 cute.arch.shuffle_sync(hit_n, src), cute.arch.shuffle_sync(hit_chunk, src),
                 cute.arch.shuffle_sync(hit_j, src), num_split, per_work, num_slots)
+
+    @cute.jit
+    def first_item(self, n, b, slots_before, splits_before, num_slots):
+        """Index w of request b's first work item, from the counts before it in order of b: a split request's
+        items come first (w = S_b, the partial slots before it), an unsplit request's come after all NS of them
+        (w = NS + #unsplit requests before b). Pass 3 of ``work_item`` and ``launch_rank`` share it."""
+        first = num_slots + b - splits_before
+        if n > 1:
+            first = slots_before
+        return first
 
     @cute.jit
     def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
