@@ -103,3 +103,20 @@ def test_tune_cli_dry_run_lists_shapes_candidates_and_reasons():
         return  # FlashInfer's refusals past the import need an importable flashinfer (vLLM installs it)
     assert "n/a flashinfer_trtllm: trtllm-gen needs block size 32 or 64, the cache has 16" in out
     assert "needs q in the cache's dtype" in out  # fp8 cache with vLLM's default bf16 q
+
+
+def test_model_schedules_table():
+    """benchmarks/model_schedules.py: every cell of its table is bounded below by the ideal, longest first is never
+    slower than the order of w, and a persistent contiguous-share grid is within 4% of the ideal plus two pieces'
+    fixed cost on uniform batches of 8 or more (a slot holds at most two pieces there)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import model_schedules
+    finally:
+        sys.path.pop(0)
+    table = list(model_schedules.rows(heads=128, q_len=1, sms=132))
+    assert len(table) == 30
+    for kind, batch, _, by_w, lpt, contiguous, ideal in table:
+        assert ideal <= contiguous and ideal <= lpt <= by_w
+        if kind == "none" and batch >= 8:
+            assert contiguous <= 1.04 * ideal + 2 * model_schedules.PIECE_COST + model_schedules.LAUNCH_COST
