@@ -1,8 +1,12 @@
 """One long-tail B=128 S=32k fp8 (fp8 q) decode, planning every call (for ncu of the split kernel)."""
-import math, random
+import math
+import random
+
 import torch
+
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode
 from mla_backend_plugin.testing import make_decode_inputs
+
 B, S = 128, 32768
 rng = random.Random(B * 7919 + S)
 lens = [S] + [min(S, max(1, int(rng.lognormvariate(math.log(S / 16), 1.2)))) for _ in range(B - 1)]
