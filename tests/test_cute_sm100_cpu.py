@@ -400,5 +400,6 @@ def test_launch_passes_the_plan_scales_and_buffers(monkeypatch):
     plan = ws.plan(3, 1, balanced=True, rows_per_cta=64)
     assert a[15:19] == (plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items)
     assert len(combines) == 1 and combines[0][0][3] == config.BLOCK_N  # the 33k-token request is split
-    with pytest.raises(ValueError, match="split_plan must be 'balanced'"):
-        launch.launch(args, ws, LaunchConfig(split_plan="uniform"))
+    for other in ("uniform", "shares", "auto"):  # cute_sm100 plans in the split kernel: the balanced plan only
+        with pytest.raises(ValueError, match=f"split_plan '{other}'; allowed: balanced"):
+            launch.launch(args, ws, LaunchConfig(split_plan=other))

@@ -100,10 +100,12 @@ def test_launch_configs(monkeypatch):
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=8)
     monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
     monkeypatch.delenv("CUTE_MLA_PDL", raising=False)
-    assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="fp8mma", enable_pdl=True)
-    assert launch.default_config(_args(), (9, 0)) == LaunchConfig(enable_pdl=True)
+    monkeypatch.delenv("CUTE_MLA_SM90_PLAN", raising=False)
+    assert launch.default_config(fp8, (9, 0)) == LaunchConfig("auto", fp8_design="fp8mma", enable_pdl=True)
+    assert launch.default_config(_args(), (9, 0)) == LaunchConfig("auto", enable_pdl=True)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
     monkeypatch.setenv("CUTE_MLA_PDL", "0")
+    monkeypatch.setenv("CUTE_MLA_SM90_PLAN", "balanced")
     assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="dequant", enable_pdl=False)
     candidates = launch.configs(fp8, (9, 0))
     assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates)
@@ -509,6 +511,7 @@ def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
     tensor or plan, after another plan overwrote the workspace's table, and of the first call inside each CUDA-graph
     capture (the engine's eager warm-up of the same metadata does not count); every split launch reads the
     workspace's table. The compiled kernels are stand-ins."""
+    monkeypatch.delenv("CUTE_MLA_SM90_PLAN", raising=False)
     from mla_backend_plugin.kernels.combine import kernel as combine
     from mla_backend_plugin.ops import MLAWorkspace
     from mla_backend_plugin.ops import workspace as workspace_mod
@@ -518,7 +521,7 @@ def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
 
     def compiled(variant, pdl):
         if variant == launch.STEP_PLAN:
-            return lambda *a: seen.append(("plan", a[0].data_ptr(), a[2].data_ptr(), a[-2]))
+            return lambda *a: seen.append(("plan", a[0].data_ptr(), a[2].data_ptr(), a[-3], a[-2]))
         return lambda *a: seen.append(("split", a[-5].data_ptr()))
 
     monkeypatch.setattr(launch, "_compiled", compiled)
@@ -542,7 +545,8 @@ def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
     step = StepPlans()
     assert layer(a8, step) == ["plan", "split"]
     assert seen[0][1:] == (a8.seq_lens.data_ptr(), ws.work_items.data_ptr(),
-                           ws.plan(8, 1, balanced=True).grid_items)
+                           ws.plan(8, 1, balanced=True).grid_items, -ws.plan(8, 1, balanced=True).work_target)
+    # (-W: the auto plan, CUTE_MLA_SM90_PLAN's default; launch.STEP_PLAN_MODES)
     assert layer(a8, step) == ["split"] and layer(a8, step) == ["split"]  # the step's later layers
     assert layer(a2, step) == ["plan", "split"]  # another seq_lens tensor (e.g. a slice of token requests)
     assert layer(a8, step) == ["plan", "split"]  # the table held a2's plan

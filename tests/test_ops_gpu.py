@@ -30,9 +30,11 @@ import zlib
 import pytest
 import torch
 
+from mla_backend_plugin import envs
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, WORK_ITEM_INTS
+from mla_backend_plugin.ops.workspace import BalancedSchedule, ShareSchedule, step_schedule
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,
@@ -311,10 +313,10 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
 
 def _check_balanced_split_list(inp, lens, q_len, heads):
     """Runs ``inp`` on a fresh workspace against the reference; for cute_sm90 also checks that the split list the
-    kernel wrote for the combine is exactly ops/workspace.py balanced_schedule's: returns (schedule, plan)."""
+    kernel wrote for the combine and its step table are exactly the reference's (ops/workspace.py
+    ``step_schedule`` under CUTE_MLA_SM90_PLAN): returns (schedule, plan)."""
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M as CUTE_BLOCK_M
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
-    from mla_backend_plugin.ops.workspace import balanced_schedule
 
     batch = len(lens)
     ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads)
@@ -322,8 +324,11 @@ def _check_balanced_split_list(inp, lens, q_len, heads):
     _check(inp, workspace=ws)
     if KERNEL != "cute_sm90":
         return None, None  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
-    plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=CUTE_BLOCK_M)
-    sched = balanced_schedule(lens, CUTE_BLOCK_N, plan.min_chunk, plan.work_target, plan.num_splits)
+    mode = envs.CUTE_MLA_SM90_PLAN  # the whole file may run under any (docs/STATUS.md)
+    plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=CUTE_BLOCK_M, device_plan=mode)
+    sched = step_schedule(lens, CUTE_BLOCK_N, plan, mode)
+    if isinstance(sched, ShareSchedule):
+        return _check_share_table(ws, lens, plan, sched), plan
     expected = [len(sched.split_requests)]
     for b in sched.split_requests:
         expected += [b, sched.slot_base[b], sched.splits[b]]
@@ -341,6 +346,76 @@ def _check_balanced_split_list(inp, lens, q_len, heads):
     return sched, plan
 
 
+def _check_share_table(ws, lens, plan, sched):
+    """cute_sm90 under the share plan: the split list and the step's table (the pieces longest first, each with
+    its slot; exits past them) the plan kernel wrote are exactly ops/workspace.py share_schedule's."""
+    from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
+
+    expected = [len(sched.split_requests)]
+    for b in sched.split_requests:
+        expected += [b, sched.slot_base[b], sched.splits[b]]
+    assert ws.split_index[:len(expected)].tolist() == expected
+    table = ws.work_items[:plan.grid_items * WORK_ITEM_INTS].view(plan.grid_items, WORK_ITEM_INTS).tolist()
+    for r, i in enumerate(sched.longest_first()):
+        b, k, t0, t1 = sched.pieces[i]
+        start, end = t0 * CUTE_BLOCK_N, min(t1 * CUTE_BLOCK_N, lens[b])
+        slot0 = sched.slot_base[b] if sched.splits[b] > 1 else 0
+        want = [b + 1, b, lens[b], sched.splits[b], slot0, start, end, -(-max(end - start, 0) // CUTE_BLOCK_N),
+                slot0 + k]
+        assert table[r] == want, (r, table[r], want)
+    assert all(row[0] == 0 for row in table[len(sched.pieces):])
+    return sched
+
+
+@pytest.mark.parametrize("kv_kind,q_form,q_len", [("bf16", "pair", 1), ("fp8", "fp8", 1), ("fp8", "pair", 2),
+                                                  ("bf16", "pair", 4)])
+def test_share_plan_splits_at_share_boundaries(kv_kind, q_form, q_len, monkeypatch):
+    """cute_sm90 with CUTE_MLA_SM90_PLAN=shares on the batches it is for: a long tail (lengths 0 and 1 among
+    them) and one long request, so requests are split where share boundaries cross them (pieces of unequal
+    length, merged by the combine: fused at batch 3, the combine kernel at batch 70). Correct output in every
+    design (bf16 seesaw, fp8 q design B, bf16 q on an fp8 cache: design A at batch 3, B at 70; q_len 4), and the
+    table is the reference's."""
+    if KERNEL != "cute_sm90":
+        pytest.skip("the share plan is cute_sm90's")
+    monkeypatch.setenv("CUTE_MLA_SM90_PLAN", "shares")
+    heads, bs = 128, 64
+    seed = _seed("shares", kv_kind, q_form, q_len)
+    rng = random.Random(seed)
+    fp8 = kv_kind == "fp8"
+    for batch in (3, 70):
+        lens = [min(9000, max(1, int(rng.lognormvariate(math.log(700), 1.1)))) for _ in range(batch)]
+        lens[0], lens[1], lens[-1] = 0, 1, 20000 + batch
+        inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed + batch,
+                                 q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None,
+                                 poison=_poison(seed + batch))
+        sched, _ = _check_balanced_split_list(inp, lens, q_len, heads)
+        assert isinstance(sched, ShareSchedule)
+        assert len(sched.split_requests) >= 1 and len(sched.pieces) > batch
+        if batch == 70:  # short requests split at a share boundary, not only the long one
+            assert len(sched.split_requests) > 1
+
+
+@pytest.mark.parametrize("kv_kind,q_form,q_len", [("bf16", "pair", 1), ("fp8", "fp8", 1), ("fp8", "fp8", 2)])
+def test_auto_plan_takes_shares_for_a_wave_gap(kv_kind, q_form, q_len, monkeypatch):
+    """CUTE_MLA_SM90_PLAN=auto on one long request among short ones (the benchmark's one-long cells at 8k): the
+    balanced plan's items would be W + a few of equal length, so the plan kernel takes the share plan; on a
+    uniform batch it keeps the balanced one. Correct output and the reference's table either way."""
+    if KERNEL != "cute_sm90":
+        pytest.skip("the auto plan is cute_sm90's")
+    monkeypatch.setenv("CUTE_MLA_SM90_PLAN", "auto")
+    heads, bs = 128, 64
+    batch = 64 if q_len == 1 else 32
+    seed = _seed("auto", kv_kind, q_form, q_len)
+    fp8 = kv_kind == "fp8"
+    for lens in ([8192] + [1000 + (7 * i) % 30 for i in range(batch - 1)], [1000] * batch):
+        inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed,
+                                 q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None,
+                                 poison=_poison(seed))
+        sched, plan = _check_balanced_split_list(inp, lens, q_len, heads)
+        if plan.work_target == 132 // (q_len * heads // 64):  # a 132-SM H100: the cases this test is for
+            assert isinstance(sched, ShareSchedule) == (lens[0] == 8192), (plan, sched)
+
+
 @pytest.mark.parametrize("kv_kind,q_form", [("bf16", "pair"), ("fp8", "pair"), ("fp8", "fp8")])
 def test_long_tail_batch_runs_longest_first(kv_kind, q_form):
     """130 requests of log-normal lengths (median 512, up to 8k; one of length 0, one of 1): more work items than
@@ -355,7 +430,7 @@ def test_long_tail_batch_runs_longest_first(kv_kind, q_form):
     inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed,
                              q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None)
     sched, _ = _check_balanced_split_list(inp, lens, q_len, heads)
-    if sched is not None:
+    if isinstance(sched, BalancedSchedule):
         assert sched.longest_first() != list(range(len(sched.items)))  # the case this test is for
 
 
@@ -371,7 +446,7 @@ def test_near_uniform_batch_takes_one_wave(kv_kind):
     inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, "pair", DEVICE, seed,
                              kv_scale=3.0 if fp8 else None)
     sched, plan = _check_balanced_split_list(inp, lens, q_len, heads)
-    if sched is not None and plan.work_target == 66:  # 132 SMs: the case this test is for
+    if isinstance(sched, BalancedSchedule) and plan.work_target == 66:  # 132 SMs: the case this test is for
         assert sched.per_work == 9 and len(sched.items) == 64, sched
 
 

@@ -20,6 +20,10 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 # [start, end), its tiles and its own partial slot (its index w in the schedule: the table holds the items in
 # launch order, longest first, so a CTA's index is not its slot).
 WORK_ITEM_INTS = 9
+# A request's fixed cost on the share plan's line, in KV tiles (its Q load, epilogue and stores): a share boundary
+# that falls in it moves the whole request to the next share (ops/workspace.py ``share_schedule``; the CPU model
+# of benchmarks/model_schedules.py puts a CTA's fixed cost at 1.5 tiles).
+SHARE_REQUEST_COST = 2
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn

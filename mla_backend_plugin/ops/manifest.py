@@ -40,7 +40,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-SPLIT_PLANS = ("balanced", "uniform")
+SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant")
 COMBINES = ("shared", "own", "none")
 
@@ -50,7 +50,10 @@ class LaunchConfig:
     """The knobs of one launch. A family reads the fields it has and ignores the rest; ``configs()`` lists
     only values the family supports. Hashable and JSON-friendly (``as_dict``), so a tuner can cache it."""
 
-    split_plan: str = "balanced"  # "balanced" | "uniform": how split-KV work is spread (ops/workspace.py)
+    # "balanced" | "uniform" | "shares" | "auto" (cute_sm90: the balanced plan's bounds with requests split at the
+    # boundaries of equal shares of the step's tiles; auto: that when the balanced items leave a wave gap): how
+    # split-KV work is spread (ops/workspace.py)
+    split_plan: str = "balanced"
     max_splits: int | None = None  # cap on splits per request; None = the workspace's
     min_chunk: int | None = None  # tokens; the smallest chunk a request is split into; None = the workspace's
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)
@@ -67,7 +70,14 @@ class LaunchConfig:
 
     @property
     def balanced(self) -> bool:
-        return self.split_plan == "balanced"
+        """A plan of work items and a split list (the balanced plan, or the share plan with its bounds); False
+        for the uniform plan."""
+        return self.split_plan != "uniform"
+
+    @property
+    def device_plan(self) -> str:
+        """The balanced plans' SplitPlan.device_plan ("balanced" for the uniform plan, which has none)."""
+        return "balanced" if self.split_plan == "uniform" else self.split_plan
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

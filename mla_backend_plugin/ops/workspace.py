@@ -29,6 +29,7 @@ import torch
 from mla_backend_plugin.ops.constants import (
     KV_LORA_RANK,
     MAX_Q_LEN,
+    SHARE_REQUEST_COST,
     SUPPORTED_NUM_HEADS,
     SUPPORTED_Q_LENS,
     WORK_ITEM_INTS,
@@ -41,6 +42,8 @@ MAX_SPLITS = 32
 # The most splits per request any plan may use (LaunchConfig.max_splits <= 64: the CuTe schedule packs
 # 128 x max_splits into 16 bits).
 SPLIT_CAPACITY = 64
+# What a step-planned kernel's device plan may be (SplitPlan.device_plan)
+DEVICE_PLANS = ("balanced", "shares", "auto")
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
 # than the parallelism gains.
 MIN_CHUNK_TOKENS = 128
@@ -63,6 +66,11 @@ class SplitPlan:
     combine_rows: int = 1  # query rows one combine CTA merges (power of 2)
     combine_col_blocks: int = 1  # column blocks of the 512 output columns, one combine CTA each (power of 2)
     combine_split_block: int = 1  # splits one combine CTA loads per round (power of 2)
+    # balanced plans only: which schedule a step-planned kernel (cute_sm90) writes: "balanced"
+    # (``balanced_schedule``), "shares" (``share_schedule``: the same bounds and grid, requests split at the
+    # boundaries of W equal shares of the step's tiles) or "auto" (``step_schedule``: shares when
+    # ``prefers_shares``)
+    device_plan: str = "balanced"
 
     @property
     def has_combine(self) -> bool:
@@ -71,7 +79,7 @@ class SplitPlan:
 
 def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_sms: int,
                 max_splits: int = MAX_SPLITS, min_chunk: int = MIN_CHUNK_TOKENS,
-                balanced: bool = False) -> SplitPlan:
+                balanced: bool = False, device_plan: str = "balanced") -> SplitPlan:
     """Host half of split planning: depends only on shapes known at graph-capture time.
 
     Uniform (default): ``num_splits`` is the grid's z size, 1 once ``batch * m_blocks`` CTAs fill the GPU.
@@ -85,7 +93,18 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     J_max = min(batch, W - 1) of them (J of them), and their items (the partial slots) number
     NS <= sum_split (tiles_b + p - 1) / p <= (T - (batch - J) + J (p - 1)) / p <= W + J - batch / p < W + J,
     so max_slots = min(W + J_max - 1, batch * max_splits): no more than the uniform plan's worst case.
+
+    ``device_plan`` "shares" / "auto" (``balanced=True``): the same numbers, which bound ``share_schedule`` too.
     """
+    if device_plan not in DEVICE_PLANS:
+        raise ValueError(f"plan_splits: device_plan {device_plan!r}; allowed: {', '.join(DEVICE_PLANS)}")
+    shares = device_plan != "balanced"
+    if shares and not balanced:
+        raise ValueError(f"plan_splits: device_plan={device_plan!r} needs balanced=True (the share plan has the "
+                         "balanced plan's bounds)")
+    if shares and max_splits < 2:
+        raise ValueError(f"plan_splits: the share plan splits requests at share boundaries: max_splits must "
+                         f"be >= 2, got {max_splits}")
     m_blocks = -(-(q_len * num_heads) // rows_per_cta)
     ctas = batch * m_blocks
     want = TARGET_CTAS_PER_SM * num_sms
@@ -116,7 +135,7 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, max_splits), min_chunk=min_chunk, balanced=True,
                      work_target=work, grid_items=items, max_split_requests=j_max, max_slots=slots,
                      combine_rows=combine_rows, combine_col_blocks=combine_col_blocks,
-                     combine_split_block=combine_split_block)
+                     combine_split_block=combine_split_block, device_plan=device_plan)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -242,6 +261,108 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
                             block_n=block_n)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareSchedule:
+    tiles: list[int]  # tiles_b
+    per_share: int  # P: units of the line per share
+    pieces: list[tuple[int, int, int, int]]  # work item i -> (request, split, first tile, end tile), request order
+    splits: list[int]  # n_b: pieces of request b
+    slot_base: list[int]  # S_b: the first partial slot of a split request; -1 for others
+    num_slots: int  # NS: partial slots (pieces of split requests)
+    split_requests: list[int]  # b of every split request, in order (the combine's list)
+    block_n: int
+
+    def piece_tiles(self, i: int) -> int:
+        """Tiles of piece i as the launch order counts them (a request of length 0 counts its one tile)."""
+        _, _, t0, t1 = self.pieces[i]
+        return t1 - t0
+
+    def piece_slot(self, i: int) -> int:
+        """Partial slot of piece i (a split request's pieces have consecutive slots from S_b); 0 when unsplit
+        (the slot is not read then)."""
+        b, k, _, _ = self.pieces[i]
+        return self.slot_base[b] + k if self.splits[b] > 1 else 0
+
+    def longest_first(self) -> list[int]:
+        """The launch order (as ``BalancedSchedule.longest_first``): pieces by tiles, longest first, ties in
+        order of i. Position r of the step's table holds piece ``longest_first()[r]``."""
+        return sorted(range(len(self.pieces)), key=lambda i: (-self.piece_tiles(i), i))
+
+
+def share_schedule(seq_lens, block_n: int, min_chunk: int, shares: int, max_splits: int) -> ShareSchedule:
+    """The share plan (cute_sm90 ``split_plan="shares"``), the Python reference of the device's
+    (kernels/cute_common/scheduler.py ``ShareScheduler``), bit for bit.
+
+    The requests' tiles are laid end to end on one line, each after a fixed cost of SHARE_REQUEST_COST (F)
+    tiles, and the line is cut into W equal shares (W = the plan's work_target, one wave of CTAs per m-block):
+    a request is split where a share boundary crosses it, into pieces, one work item each. So a long request
+    spreads over consecutive shares and short requests are not split unless a boundary falls inside them,
+    which is FlashMLA's SM90 scheduler's split (written from its description, not its code) without its
+    persistent CTAs: the items run longest first, one CTA each, and the GPU's block scheduler packs several
+    short pieces into one SM's time while a long one runs (modelled within 0.5% of persistent CTAs that each run
+    one share, benchmarks/NOTES.md session 19)::
+
+        tiles_b = max(cdiv(seq_len_b, BLOCK_N), 1)
+        s_b     = sum_{b' < b} (tiles_b' + F) + F          # request b's tiles are [s_b, s_b + tiles_b) of the line
+        P       = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(s_B, W), cdiv(max_b tiles_b, NUM_SPLITS - 1))
+        pieces of b: shares c = s_b // P .. (s_b + tiles_b - 1) // P, piece c covering tiles
+        [max(s_b, c P) - s_b, min(s_b + tiles_b, (c + 1) P) - s_b) of the request
+
+    n_b <= (tiles_b - 1) // P + 2 <= NUM_SPLITS (the third bound of P). Each of the W - 1 share boundaries splits
+    at most one request, so there are at most B + W - 1 pieces, J <= min(B, W - 1) split requests and
+    NS <= W - 1 + J partial slots: the balanced plan's bounds (``plan_splits``), so its grid, buffers and combine
+    serve this plan unchanged. Pieces are numbered in request order (i); a split request's pieces take
+    consecutive partial slots S_b + k (S_b = pieces of earlier split requests); the split list is the balanced
+    plan's (index[0] = J, index[1 + 3 j : 4 + 3 j] = (b, S_b, n_b)); the table holds the pieces longest first
+    (``longest_first``), each with its slot, and past its end b + 1 = 0."""
+    if max_splits < 2:
+        raise ValueError(f"the share plan splits requests at share boundaries: max_splits must be >= 2, "
+                         f"got {max_splits}")
+    tiles = [max(_cdiv(int(x), block_n), 1) for x in seq_lens]
+    starts, line = [], 0
+    for t in tiles:
+        starts.append(line + SHARE_REQUEST_COST)
+        line += t + SHARE_REQUEST_COST
+    per_share = max(_cdiv(min_chunk, block_n), _cdiv(line, shares), _cdiv(max(tiles), max_splits - 1))
+    pieces, splits, slot_base, split_requests, ns = [], [], [], [], 0
+    for b, (t, s) in enumerate(zip(tiles, starts)):
+        c_lo, c_hi = s // per_share, (s + t - 1) // per_share
+        n = c_hi - c_lo + 1
+        splits.append(n)
+        slot_base.append(ns if n > 1 else -1)
+        if n > 1:
+            split_requests.append(b)
+            ns += n
+        for k, c in enumerate(range(c_lo, c_hi + 1)):
+            pieces.append((b, k, max(s, c * per_share) - s, min(s + t, (c + 1) * per_share) - s))
+    return ShareSchedule(tiles=tiles, per_share=per_share, pieces=pieces, splits=splits, slot_base=slot_base,
+                         num_slots=ns, split_requests=split_requests, block_n=block_n)
+
+
+def prefers_shares(sched: BalancedSchedule, work_target: int) -> bool:
+    """The auto plan's choice (cute_sm90 ``split_plan="auto"``; the device's ``BalancedScheduler.
+    leaves_wave_gap``, bit for bit): the share plan when the balanced plan's items leave a wave gap, i.e. more
+    than W of them have at least a = cdiv(4 T, 5 W) tiles. Two of those W + 1 items then share an SM, so the
+    step takes at least 2 a >= 1.6 T / W (a pigeonhole bound), where the share plan's pieces pack to about T / W:
+    one long request among short ones at 8k (71 items of 16 tiles for 66 slots at B=64). Elsewhere the balanced
+    plan's items already pack (long tails, uniform batches) and the share plan's extra splits and combine cost
+    more than they gain (benchmarks/NOTES.md, session 19: never chosen in a measured cell where it lost)."""
+    wide = _cdiv(4 * sched.total_tiles, 5 * work_target)
+    return sum(1 for w in range(len(sched.items)) if sched.item_tiles(w) >= wide) > work_target
+
+
+def step_schedule(seq_lens, block_n: int, plan: SplitPlan, split_plan: str):
+    """The schedule a step-planned kernel (cute_sm90) runs under ``split_plan`` ("balanced", "shares" or
+    "auto"): a BalancedSchedule or a ShareSchedule (both have ``longest_first``, ``split_requests``,
+    ``slot_base`` and ``splits``)."""
+    if split_plan != "balanced":
+        sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+        if split_plan == "shares" or prefers_shares(sched, plan.work_target):
+            return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+        return sched
+    return balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Makespan model (CPU): how long the split kernel's step takes under a plan
 # --------------------------------------------------------------------------------------------------------
@@ -262,7 +383,8 @@ def plan_cta_costs(plan: SplitPlan, seq_lens, q_len: int, num_heads: int, block_
     """Cost of every CTA of the split kernel in launch order (x fastest), in units of one KV tile of block_n
     keys: a working CTA costs ``cta_overhead`` (prologue, q load, epilogue) plus its tiles, a CTA that
     exits at once ``exit_cost``. ``longest_first``: the balanced plan's items in a step-planned kernel's order
-    (``BalancedSchedule.longest_first``) instead of w's."""
+    (``BalancedSchedule.longest_first``) instead of w's; a share plan's pieces the same way. The combine is not
+    modelled."""
     m_blocks = _cdiv(q_len * num_heads, plan.rows_per_cta)
     costs: list[float] = []
     if not plan.balanced:  # grid (B, m_blocks, Z)
@@ -273,7 +395,17 @@ def plan_cta_costs(plan: SplitPlan, seq_lens, q_len: int, num_heads: int, block_
                     tiles = _cdiv(max(min(chunk, int(x) - z * chunk), 0), block_n)
                     costs.append(cta_overhead + tiles if z < n else exit_cost)
         return costs
-    sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    sched = step_schedule(seq_lens, block_n, plan, plan.device_plan)
+    if isinstance(sched, ShareSchedule):  # the share plan's pieces, one CTA each
+        order = sched.longest_first() if longest_first else list(range(len(sched.pieces)))
+        for r in range(plan.grid_items):
+            if r < len(order):
+                b, _, t0, t1 = sched.pieces[order[r]]
+                tiles = _cdiv(max(min(t1 * block_n, int(seq_lens[b])) - t0 * block_n, 0), block_n)
+                costs.extend([cta_overhead + tiles] * m_blocks)
+            else:
+                costs.extend([exit_cost] * m_blocks)
+        return costs
     order = sched.longest_first() if longest_first else list(range(len(sched.items)))
     for r in range(plan.grid_items):  # grid (m_blocks, G)
         if r < len(order):
@@ -422,17 +554,18 @@ class MLAWorkspace:
         return self.out_buffer[:num_tokens], self.lse_buffer[:num_tokens]
 
     def plan(self, batch: int, q_len: int, balanced: bool = False, rows_per_cta: int | None = None,
-             max_splits: int | None = None, min_chunk: int | None = None) -> SplitPlan:
+             max_splits: int | None = None, min_chunk: int | None = None,
+             device_plan: str = "balanced") -> SplitPlan:
         """The split plan of a call (memoised): ``rows_per_cta`` is the launching kernel's tile (may be omitted
         for a single-tile workspace), ``max_splits`` / ``min_chunk`` default to the workspace's."""
         rows_per_cta = self.rows_per_cta if rows_per_cta is None else rows_per_cta
         max_splits = self.max_splits if max_splits is None else max_splits
         min_chunk = self.min_chunk if min_chunk is None else min_chunk
-        key = (batch, q_len, balanced, rows_per_cta, max_splits, min_chunk)
+        key = (batch, q_len, balanced, rows_per_cta, max_splits, min_chunk, device_plan)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_splits(batch, q_len, self.num_heads, rows_per_cta, self.num_sms, max_splits, min_chunk,
-                               balanced=balanced)
+                               balanced=balanced, device_plan=device_plan)
             self._plans[key] = plan
         return plan
 
@@ -442,7 +575,11 @@ class MLAWorkspace:
         if config.max_splits is not None and config.max_splits > self.split_capacity:
             return (f"config: max_splits={config.max_splits} exceeds the workspace's split capacity "
                     f"{self.split_capacity}")
-        plan = self.plan(batch, q_len, config.balanced, tile.rows_per_cta, config.max_splits, config.min_chunk)
+        if config.split_plan in ("shares", "auto") and (config.max_splits or self.max_splits) < 2:
+            return (f"config: split_plan={config.split_plan!r} needs max_splits >= 2 (it splits requests at share "
+                    "boundaries)")
+        plan = self.plan(batch, q_len, config.balanced, tile.rows_per_cta, config.max_splits, config.min_chunk,
+                         config.device_plan)
         rows = q_len * self.num_heads
         need = (plan.max_slots * rows if plan.balanced else
                 (batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
@@ -461,7 +598,7 @@ class MLAWorkspace:
         if why is not None:
             raise ValueError(f"mla_decode: {why}")
         return self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
-                         config.min_chunk)
+                         config.min_chunk, config.device_plan)
 
     def scratch_for(self, key: str) -> torch.Tensor:
         """The zero-initialised scratch buffer (uint8) a family declared under ``key``."""

@@ -18,7 +18,18 @@ import cutlass
 import cutlass.cute as cute
 
 from mla_backend_plugin.kernels.cute_common.compat import SHFL_UP_CLAMP
-from mla_backend_plugin.ops.constants import WORK_ITEM_INTS
+from mla_backend_plugin.ops.constants import SHARE_REQUEST_COST, WORK_ITEM_INTS
+
+
+@cute.jit
+def warp_inclusive_sum(x, lane):
+    """Inclusive prefix sum of ``x`` over the warp's lanes (5 shuffles)."""
+    incl = x
+    for d in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=SHFL_UP_CLAMP)
+        if lane >= (1 << d):
+            incl = incl + up
+    return incl
 
 
 class BalancedScheduler:
@@ -40,10 +51,11 @@ class BalancedScheduler:
 
     @cute.jit
     def plan_item_and_totals(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits,
-                             min_chunk, work_target):
-        """``plan_item``'s tuple, then the schedule's p (tiles per item) and NS (partial slots)."""
+                             min_chunk, work_target, per_work=None):
+        """``plan_item``'s tuple, then the schedule's p (tiles per item) and NS (partial slots). ``per_work``: p
+        when the caller has it (the auto plan), else derived here."""
         b1, split, n_splits, chunk, j, num_split, per_work, num_slots = self.work_item(
-            mSeq, w, num_splits, min_chunk, work_target)
+            mSeq, w, num_splits, min_chunk, work_target, per_work)
         if tidx == 0 and mblk == 0:
             if w == 0:
                 mSplitIndex[0] = num_split
@@ -60,13 +72,13 @@ class BalancedScheduler:
 
     @cute.jit
     def write_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, w, lane, num_splits,
-                   min_chunk, work_target):
+                   min_chunk, work_target, per_work=None):
         """Work item w as ``plan_item`` derives it (the split list too) and w itself (its partial slot), stored
         by lane 0 in the order ``read_item`` loads it at the item's rank in the longest-first launch order
         (``launch_rank``); items past the schedule's end store b1 = 0 at their own index (the ranks of the
         schedule's N items are 0..N-1)."""
         b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, per_work, num_slots = self.plan_item_and_totals(
-            mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target)
+            mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target, per_work)
         rank = w
         if b1 > 0:  # warp-uniform
             rank = self.launch_rank(mSeq, w, cutlass.max(n_tiles, 1), per_work, num_splits, num_slots)
@@ -121,7 +133,7 @@ class BalancedScheduler:
         return item[0], item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8]
 
     @cute.jit
-    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target):
+    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target, per_work=None):
         """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
         request; its chunk in tokens; its index j among split requests; J, the number of split requests; p, the
         tiles per item; NS, the partial slots).
@@ -133,7 +145,8 @@ class BalancedScheduler:
         global loads are slow while the other SMs stream KV: benchmarks/NOTES.md, cute_sm90 v3)."""
         batch = mSeq.shape[0]
         lane = cute.arch.lane_idx()
-        per_work = self.per_work(mSeq, batch, lane, num_splits, min_chunk, work_target)
+        if cutlass.const_expr(per_work is None):
+            per_work = self.per_work(mSeq, batch, lane, num_splits, min_chunk, work_target)
 
         # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
         # requests), in order of b; totals NS (slots) and J (split requests)
@@ -191,9 +204,14 @@ class BalancedScheduler:
 
     @cute.jit
     def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
-        """p, the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule). The search
-        runs only for a batch of fewer requests than the wave whose items could overflow it; its bisection
-        steps re-read seq_lens from L1."""
+        """p, the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule)."""
+        return self.per_work_and_total(mSeq, batch, lane, num_splits, min_chunk, work_target)[0]
+
+    @cute.jit
+    def per_work_and_total(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
+        """(p, T): the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule), and the
+        batch's tiles. The search runs only for a batch of fewer requests than the wave whose items could
+        overflow it; its bisection steps re-read seq_lens from L1."""
         # T = sum_b tiles_b, the shortest and the longest request's tiles
         lane_total = cutlass.Int32(0)
         lane_min = cutlass.Int32(1 << 30)
@@ -244,7 +262,29 @@ class BalancedScheduler:
                         else:
                             state = 3
                             p = hi
-        return p
+        return p, total
+
+    @cute.jit
+    def leaves_wave_gap(self, mSeq: cute.Tensor, batch, lane, per_work, total, num_splits, work_target):
+        """Whether the balanced plan's items with p = ``per_work`` (T = ``total`` tiles) leave a wave gap the
+        share plan closes (ops/workspace.py ``prefers_shares``): more than W items of at least cdiv(4 T, 5 W)
+        tiles. One pass over seq_lens (request b has n_b - 1 items of ct_b tiles and a last one)."""
+        wide = (4 * total + 5 * work_target - 1) // (5 * work_target)
+        lane_count = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if b < batch:
+                    seq_len = mSeq[b]
+                    tiles = cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
+                    n, chunk = self.request_chunks(seq_len, per_work, num_splits)
+                    ct = chunk // self.block_n
+                    if ct >= wide:
+                        lane_count = lane_count + n - 1
+                    if tiles - (n - 1) * ct >= wide:
+                        lane_count = lane_count + 1
+        count = cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_count))
+        return count > work_target
 
     @cute.jit
     def num_items(self, mSeq: cute.Tensor, batch, lane, per_work, num_splits):
@@ -288,11 +328,7 @@ class BalancedScheduler:
             packed_before[u] = own
             if n_u > 1:
                 own = own + n_u + (1 << 16)
-        incl = own  # inclusive warp scan over the lanes
-        for d in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=SHFL_UP_CLAMP)
-            if lane >= (1 << d):
-                incl = incl + up
+        incl = warp_inclusive_sum(own, lane)
         step = cute.arch.shuffle_sync(incl, 31)
         slots_before = [None] * 4
         splits_before = [None] * 4
@@ -303,29 +339,216 @@ class BalancedScheduler:
         return n, chunk, slots_before, splits_before, step & 0xFFFF, step >> 16
 
 
+class ShareScheduler:
+    """The share plan on the device (ops/workspace.py ``share_schedule``, bit for bit): warp i of the plan kernel
+    finds piece i (request order), writes it as a work item at its rank in the longest-first launch order (its
+    partial slot as the 9th int, as ``BalancedScheduler.write_item``) and, for a split request's first piece, its
+    entry of the split list. Three passes over seq_lens, lane l holding requests 4 l .. 4 l + 3 of each
+    128-request step: the line's length, the piece's request (two warp scans per step), the piece's rank."""
+
+    def __init__(self, block_n: int):
+        self.block_n = block_n
+
+    @cute.jit
+    def tiles(self, seq_len):
+        return cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
+
+    @cute.jit
+    def per_share(self, mSeq: cute.Tensor, batch, lane, shares, num_splits, min_chunk):
+        """P: units of the line per share."""
+        lane_line = cutlass.Int32(0)
+        lane_max = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            for u in cutlass.range_constexpr(4):
+                b = base + 4 * lane + u
+                if b < batch:
+                    t = self.tiles(mSeq[b])
+                    lane_line = lane_line + t + SHARE_REQUEST_COST
+                    lane_max = cutlass.max(lane_max, t)
+        line = cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_line))
+        max_tiles = cute.arch.make_warp_uniform(cute.arch.warp_reduction_max(lane_max))
+        p = cutlass.max((min_chunk + self.block_n - 1) // self.block_n, (line + shares - 1) // shares)
+        return cutlass.max(p, (max_tiles + num_splits - 2) // (num_splits - 1))
+
+    @cute.jit
+    def share_step(self, mSeq: cute.Tensor, base, batch, lane, per_share, line_before):
+        """Requests base + 4 lane + u of one 128-request step: (seq_len or -1 past the batch, s_b, first share,
+        pieces n_b (0 past the batch), and the pieces / split pieces / split requests before each within the step
+        as one packed int: pieces | split pieces << 11 | split requests << 22), then the step's line length and
+        packed totals. A step has at most 128 + W - 1 pieces, 2 (W - 1) split pieces and 128 split requests."""
+        lens = [None] * 4
+        cost_before = [None] * 4
+        own = cutlass.Int32(0)
+        for u in cutlass.range_constexpr(4):
+            seq_len = cutlass.Int32(-1)
+            if base + 4 * lane + u < batch:
+                seq_len = mSeq[base + 4 * lane + u]
+            lens[u] = seq_len
+            cost_before[u] = own
+            if seq_len >= 0:
+                own = own + self.tiles(seq_len) + SHARE_REQUEST_COST
+        incl = warp_inclusive_sum(own, lane)
+        starts = [None] * 4
+        first = [None] * 4
+        n = [None] * 4
+        packed_before = [None] * 4
+        own2 = cutlass.Int32(0)
+        for u in cutlass.range_constexpr(4):
+            s0 = line_before + incl - own + cost_before[u] + SHARE_REQUEST_COST
+            lo = s0 // per_share
+            n_u = cutlass.Int32(0)
+            if lens[u] >= 0:
+                n_u = (s0 + self.tiles(lens[u]) - 1) // per_share - lo + 1
+            starts[u] = s0
+            first[u] = lo
+            n[u] = n_u
+            packed_before[u] = own2
+            own2 = own2 + n_u
+            if n_u > 1:
+                own2 = own2 + (n_u << 11) + (1 << 22)
+        incl2 = warp_inclusive_sum(own2, lane)
+        for u in cutlass.range_constexpr(4):
+            packed_before[u] = packed_before[u] + incl2 - own2
+        return (lens, starts, first, n, packed_before, cute.arch.shuffle_sync(incl, 31),
+                cute.arch.shuffle_sync(incl2, 31))
+
+    @cute.jit
+    def write_piece(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, i, lane, shares,
+                    num_splits, min_chunk):
+        batch = mSeq.shape[0]
+        per_share = self.per_share(mSeq, batch, lane, shares, num_splits, min_chunk)
+        # pass 2: piece i's request; the totals (pieces, split requests)
+        line_before = cutlass.Int32(0)
+        pieces_before = cutlass.Int32(0)
+        slots_before = cutlass.Int32(0)
+        splits_before = cutlass.Int32(0)
+        hit_b1 = cutlass.Int32(0)
+        hit_k = cutlass.Int32(0)
+        hit_n = cutlass.Int32(0)
+        hit_len = cutlass.Int32(0)
+        hit_start = cutlass.Int32(0)
+        hit_slot0 = cutlass.Int32(0)
+        hit_j = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            lens, starts, first, n, before, step_line, step = self.share_step(mSeq, base, batch, lane, per_share,
+                                                                               line_before)
+            for u in cutlass.range_constexpr(4):
+                piece0 = pieces_before + (before[u] & 0x7FF)
+                if piece0 <= i and i < piece0 + n[u]:
+                    hit_b1 = base + 4 * lane + u + 1
+                    hit_k = i - piece0
+                    hit_n = n[u]
+                    hit_len = lens[u]
+                    hit_start = starts[u]
+                    hit_slot0 = slots_before + ((before[u] >> 11) & 0x7FF)
+                    hit_j = splits_before + (before[u] >> 22)
+            line_before = line_before + step_line
+            pieces_before = pieces_before + (step & 0x7FF)
+            slots_before = slots_before + ((step >> 11) & 0x7FF)
+            splits_before = splits_before + (step >> 22)
+        if i == 0 and lane == 0:
+            mSplitIndex[0] = splits_before
+        hits = cute.arch.vote_ballot_sync(hit_b1 > 0)
+        src = cutlass.min(cute.arch.popc((hits & (0 - hits)) - 1), 31)  # the lowest set bit's lane (none: 31)
+        b1 = cute.arch.make_warp_uniform(cute.arch.shuffle_sync(hit_b1, src))
+        if b1 > 0:
+            k = cute.arch.shuffle_sync(hit_k, src)
+            n = cute.arch.shuffle_sync(hit_n, src)
+            seq_len = cute.arch.shuffle_sync(hit_len, src)
+            s0 = cute.arch.shuffle_sync(hit_start, src)
+            slot0 = cute.arch.shuffle_sync(hit_slot0, src)
+            j = cute.arch.shuffle_sync(hit_j, src)
+            t = self.tiles(seq_len)
+            c = s0 // per_share + k
+            t0 = cutlass.max(s0, c * per_share) - s0
+            t1 = cutlass.min(s0 + t, (c + 1) * per_share) - s0
+            kv_start = t0 * self.block_n
+            kv_end = cutlass.min(t1 * self.block_n, seq_len)
+            n_tiles = (cutlass.max(kv_end - kv_start, 0) + self.block_n - 1) // self.block_n
+            if n == 1:
+                slot0 = cutlass.Int32(0)
+            rank = self.launch_rank(mSeq, batch, lane, per_share, i, t1 - t0)
+            if lane == 0:
+                item = (b1, b1 - 1, seq_len, n, slot0, kv_start, kv_end, n_tiles, slot0 + k)
+                for f in cutlass.range_constexpr(len(item)):
+                    mWork[rank * WORK_ITEM_INTS + f] = item[f]
+                if k == 0 and n > 1:
+                    mSplitIndex[1 + 3 * j] = b1 - 1
+                    mSplitIndex[2 + 3 * j] = slot0
+                    mSplitIndex[3 + 3 * j] = n
+        else:
+            if lane == 0:  # past the schedule's end: the CTA at this place exits
+                mWork[i * WORK_ITEM_INTS] = 0
+
+    @cute.jit
+    def launch_rank(self, mSeq: cute.Tensor, batch, lane, per_share, i, key):
+        """Position of piece i, of ``key`` tiles, in the launch order (``ShareSchedule.longest_first``): the
+        pieces with more tiles, plus those with as many and a smaller index. A request's n_b pieces are its first
+        (to the end of its first share), n_b - 2 whole shares and its last, so each lane counts in closed form."""
+        line_before = cutlass.Int32(0)
+        pieces_before = cutlass.Int32(0)
+        lane_rank = cutlass.Int32(0)
+        for base in cutlass.range(0, batch, 128, unroll=1):
+            lens, starts, first, n, before, step_line, step = self.share_step(mSeq, base, batch, lane, per_share,
+                                                                               line_before)
+            for u in cutlass.range_constexpr(4):
+                if n[u] > 0:
+                    t = self.tiles(lens[u])
+                    piece0 = pieces_before + (before[u] & 0x7FF)
+                    head = cutlass.min(t, (first[u] + 1) * per_share - starts[u])  # the first piece (all if n = 1)
+                    tail = starts[u] + t - (first[u] + n[u] - 1) * per_share  # the last (n > 1)
+                    if head > key or (head == key and piece0 < i):
+                        lane_rank = lane_rank + 1
+                    if n[u] > 1:
+                        if tail > key or (tail == key and piece0 + n[u] - 1 < i):
+                            lane_rank = lane_rank + 1
+                        if per_share > key:
+                            lane_rank = lane_rank + n[u] - 2
+                        if per_share == key:
+                            lane_rank = lane_rank + cutlass.min(cutlass.max(i - piece0 - 1, 0), n[u] - 2)
+            line_before = line_before + step_line
+            pieces_before = pieces_before + (step & 0x7FF)
+        return cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_rank))
+
+
 class StepPlanKernel:
-    """Writes every work item of the balanced plan of one decode step (``BalancedScheduler.write_item``) and the
-    combine's split list into the workspace: grid (G,), one warp per item. Launched before the first layer's split
-    kernel of a step (ops/workspace.py ``StepPlans`` says when; its launch is captured with that layer's in a CUDA
-    graph). With PDL it lets the split kernel launch at once: the split kernel's ``griddepcontrol.wait`` waits for
-    this grid to complete, so its prologue (barriers, TMA descriptors) overlaps the planning."""
+    """Writes every work item of one decode step's plan and the combine's split list into the workspace: grid
+    (G,), one warp per item. ``shares`` = 0: the balanced plan (``BalancedScheduler.write_item``); W: the share
+    plan (``ShareScheduler.write_piece``); -W: the share plan when the balanced one leaves a wave gap
+    (``BalancedScheduler.leaves_wave_gap``; every warp decides alike). Launched before the first layer's split
+    kernel of a step (ops/workspace.py ``StepPlans`` says when; its launch is captured with that layer's in a
+    CUDA graph). With PDL it lets the split kernel launch at once: the split kernel's ``griddepcontrol.wait``
+    waits for this grid to complete, so its prologue (barriers, TMA descriptors) overlaps the planning."""
 
     def __init__(self, block_n: int, use_pdl: bool = True):
         self.scheduler = BalancedScheduler(block_n)
+        self.shares = ShareScheduler(block_n)
         self.use_pdl = use_pdl
 
     @cute.jit
     def __call__(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
-                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, grid_items: cutlass.Int32, stream):
-        self.kernel(mSeq, mSplitIndex, mWork, num_splits, min_chunk, work_target).launch(
+                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, grid_items: cutlass.Int32,
+                 shares: cutlass.Int32, stream):
+        self.kernel(mSeq, mSplitIndex, mWork, num_splits, min_chunk, work_target, shares).launch(
             grid=(grid_items, 1, 1), block=[32, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
     @cute.kernel
     def kernel(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
-               min_chunk: cutlass.Int32, work_target: cutlass.Int32):
+               min_chunk: cutlass.Int32, work_target: cutlass.Int32, shares: cutlass.Int32):
         w, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()  # seq_lens may come from the previous kernel
-        self.scheduler.write_item(mSeq, mSplitIndex, mWork, w, lane, num_splits, min_chunk, work_target)
+        # the balanced plan's p first, in every mode (auto decides with it; one copy of each path's code: this
+        # kernel's time is mostly its cold instruction fetch, benchmarks/NOTES.md session 19)
+        per_work, total = self.scheduler.per_work_and_total(mSeq, mSeq.shape[0], lane, num_splits, min_chunk,
+                                                            work_target)
+        use_shares = shares > 0
+        if shares < 0:
+            use_shares = self.scheduler.leaves_wave_gap(mSeq, mSeq.shape[0], lane, per_work, total, num_splits,
+                                                        work_target)
+        if use_shares:
+            self.shares.write_piece(mSeq, mSplitIndex, mWork, w, lane, work_target, num_splits, min_chunk)
+        else:
+            self.scheduler.write_item(mSeq, mSplitIndex, mWork, w, lane, num_splits, min_chunk, work_target, per_work)

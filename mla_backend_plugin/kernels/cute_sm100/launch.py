@@ -135,8 +135,9 @@ def _compiled(variant: Variant, use_pdl: bool, arch: str):
 def launch(args, workspace, config: LaunchConfig) -> None:
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
-    if not config.balanced:
-        raise ValueError("cute_sm100: config: split_plan must be 'balanced' (the kernel's device schedule)")
+    if config.split_plan != "balanced":
+        raise ValueError(f"cute_sm100: config: split_plan {config.split_plan!r}; allowed: balanced (the kernel's "
+                         "device schedule)")
     arch = ARCH_BY_CC[torch.cuda.get_device_capability(args.q_nope.device)]
     fn = _compiled(variant_for(args, config), config.enable_pdl, arch)
     plan = workspace.plan_for(args, PlanTile(CTA_ROWS, BLOCK_N), config)

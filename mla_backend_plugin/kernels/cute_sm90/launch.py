@@ -9,6 +9,7 @@ directly, and the on-disk cache (cute_common/aot.py) keeps it across processes a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -40,6 +41,8 @@ from mla_backend_plugin.ops.workspace import step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
 STEP_PLAN = PlanVariant(BLOCK_N)
+# the step-plan kernel's ``shares`` argument per device plan, times W (cute_common/scheduler.py StepPlanKernel)
+STEP_PLAN_MODES = {"balanced": 0, "shares": 1, "auto": -1}
 AOT = AotCache.for_family("cute_sm90", "mla_decode_sm90", os.path.dirname(os.path.abspath(__file__)), __name__)
 
 
@@ -78,19 +81,19 @@ def fp8_design_for(args) -> str:
 
 
 def default_config(args, cc) -> LaunchConfig:
-    return LaunchConfig(split_plan="balanced", enable_pdl=envs.CUTE_MLA_PDL,
+    return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL,
                         fp8_design=fp8_design_for(args) if args.kv_dtype == FP8_DTYPE else None)
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then: the other fp8 design (fp8 caches), PDL off, a larger split cap."""
+    """The default, then: the other fp8 design (fp8 caches), PDL off, a larger split cap (all under the default's
+    split plan: the share plan is not a tuner candidate, benchmarks/NOTES.md session 19)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
-        out += [LaunchConfig(fp8_design=d, enable_pdl=first.enable_pdl) for d in FP8_DESIGNS
-                if d != first.fp8_design]
-    out += [LaunchConfig(fp8_design=c.fp8_design, enable_pdl=not c.enable_pdl) for c in list(out)]
-    out += [LaunchConfig(fp8_design=c.fp8_design, enable_pdl=c.enable_pdl, max_splits=64) for c in list(out)]
+        out += [dataclasses.replace(first, fp8_design=d) for d in FP8_DESIGNS if d != first.fp8_design]
+    out += [dataclasses.replace(c, enable_pdl=not c.enable_pdl) for c in list(out)]
+    out += [dataclasses.replace(c, max_splits=64) for c in list(out)]
     return list(dict.fromkeys(out))
 
 
@@ -122,8 +125,8 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
 
         ints = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
         return cute.compile(StepPlanKernel(variant.block_n, use_pdl=use_pdl), *ints, cutlass.Int32(1),
-                            cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
-                            options=compile_options(arch, keep_dir))
+                            cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
+                            make_fake_stream(), options=compile_options(arch, keep_dir))
     from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
 
     if variant.fp8_mma:
@@ -213,7 +216,8 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
     if not config.balanced:
-        raise ValueError("cute_sm90: config: split_plan must be 'balanced' (the kernel's device schedule)")
+        raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
+                         "(the kernel's device schedules)")
     fn = _compiled(variant_for(args, config), config.enable_pdl)
     # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
     # workspace's limit) < 2^16
@@ -226,7 +230,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
                                                 plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items,
-                                                stream)
+                                                STEP_PLAN_MODES[plan.device_plan] * plan.work_target, stream)
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
     counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,

@@ -335,6 +335,8 @@ def launch(args, workspace, config) -> None:
     """Run the Triton decode on validated ``DecodeArgs`` (see ops/api.py) under ``config`` (LaunchConfig:
     ``tile`` = (block_m, block_n, warps, stages), ``split_plan``, ``max_splits`` / ``min_chunk``), writing
     args.out and args.lse."""
+    if config.split_plan not in ("balanced", "uniform"):
+        raise ValueError(f"triton: config: split_plan {config.split_plan!r}; allowed: balanced, uniform")
     cfg = TritonDecodeConfig(*config.tile)
     batch, q_len, num_heads = args.batch, args.q_len, args.num_heads
     plan = workspace.plan_for(args, PlanTile(cfg.block_m, cfg.block_n), config)
