@@ -116,6 +116,17 @@ def test_launch_configs(monkeypatch):
         launch.default_config(fp8, (9, 0))
 
 
+def test_register_budgets_fit_the_launch_registers():
+    """Producer + 2 consumer setmaxnreg budgets of every design <= the registers a CTA holds at launch / 128."""
+    assert config.SETMAXNREG_SUM == 504
+    assert config.REGS_PRODUCER_TMA + 2 * config.REGS_CONSUMER <= config.SETMAXNREG_SUM
+    assert config.REGS_PRODUCER_FP8 + 2 * config.REGS_CONSUMER_FP8 <= config.SETMAXNREG_SUM
+    if HAS_DSL:
+        from mla_backend_plugin.kernels.cute_sm90 import kernel_fp8mma
+
+        assert kernel_fp8mma.REGS_PRODUCER_B + 2 * kernel_fp8mma.REGS_CONSUMER_B <= config.SETMAXNREG_SUM
+
+
 def test_shared_memory_fits_one_cta_per_sm():
     from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
 

@@ -21,7 +21,7 @@ from mla_backend_plugin.ops.workspace import (
     share_schedule,
     step_schedule,
 )
-from tests.test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
+from test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
 
 
 def _cdiv(a: int, b: int) -> int:
