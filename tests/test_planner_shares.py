@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
 
 from mla_backend_plugin.ops.constants import SHARE_REQUEST_COST, WORK_ITEM_INTS
 from mla_backend_plugin.ops.workspace import (
@@ -21,7 +22,6 @@ from mla_backend_plugin.ops.workspace import (
     share_schedule,
     step_schedule,
 )
-from test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
 
 
 def _cdiv(a: int, b: int) -> int:
