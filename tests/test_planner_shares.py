@@ -37,7 +37,7 @@ def test_share_schedule_invariants_and_bounds(heads, q_len, num_sms, max_splits,
     """For random seq_lens: the pieces tile every request exactly once, in request order, each within one share;
     splits, slots, split requests and pieces stay within the balanced plan's bounds (the buffers and grid the host
     sized); the launch order is a permutation, longest first."""
-    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, "shares")) & 0xFFFF)
+    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, 1)) & 0xFFFF)
     rows = min(ROWS, heads)
     for _ in range(150):
         batch = rng.choice([1, 2, 3, 7, 31, 65, 66, 130, 131, 200, 600])
@@ -161,7 +161,7 @@ def _write_piece_transcribed(lens, block_n, min_chunk, shares, num_splits, i, ta
 def test_device_algorithm_matches_reference(heads, q_len, num_sms, max_splits, block_n):
     """The plan kernel's warps (one per work item of the grid), transcribed, write exactly the reference's pieces
     in its launch order, the exits past them, and its split list."""
-    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, "device")) & 0xFFFF)
+    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, 2)) & 0xFFFF)
     rows = min(ROWS, heads)
     for _ in range(12):
         batch = rng.choice([1, 2, 3, 7, 31, 66, 130, 131, 300])
@@ -231,7 +231,7 @@ def _leaves_wave_gap_transcribed(lens, block_n, per_work, num_splits, work_targe
 def test_auto_choice_matches_reference(heads, q_len, num_sms, max_splits, block_n):
     """The plan kernel's choice (every warp decides alike, from the balanced plan's p) equals ``prefers_shares``
     on random batches, and ``step_schedule`` returns the chosen schedule."""
-    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, "auto")) & 0xFFFF)
+    rng = random.Random(hash((heads, q_len, num_sms, max_splits, block_n, 3)) & 0xFFFF)
     rows = min(ROWS, heads)
     picked = 0
     for _ in range(200):
@@ -248,7 +248,7 @@ def test_auto_choice_matches_reference(heads, q_len, num_sms, max_splits, block_
         assert chosen.splits == (share_schedule(lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
                                  if want else bal).splits
         picked += want
-    if num_sms == 132 and heads == 128:
+    if num_sms == 132 and heads == 128 and max_splits >= 16:
         assert 0 < picked < 200  # both choices occur
 
 
