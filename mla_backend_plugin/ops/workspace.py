@@ -355,12 +355,12 @@ def step_schedule(seq_lens, block_n: int, plan: SplitPlan, split_plan: str):
     """The schedule a step-planned kernel (cute_sm90) runs under ``split_plan`` ("balanced", "shares" or
     "auto"): a BalancedSchedule or a ShareSchedule (both have ``longest_first``, ``split_requests``,
     ``slot_base`` and ``splits``)."""
-    if split_plan != "balanced":
-        sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
-        if split_plan == "shares" or prefers_shares(sched, plan.work_target):
-            return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
-        return sched
-    return balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    if split_plan == "shares":
+        return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    if split_plan == "auto" and prefers_shares(sched, plan.work_target):
+        return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    return sched
 
 
 # --------------------------------------------------------------------------------------------------------
