@@ -21,7 +21,7 @@ import torch
 from mla_backend_plugin.kernels.cute_common import aot, host
 from mla_backend_plugin.kernels.cute_sm90 import config, launch
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT, unsupported_reason
-from mla_backend_plugin.ops import LaunchConfig, prepare_args
+from mla_backend_plugin.ops import LaunchConfig, constants, prepare_args
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 
 HAS_DSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
@@ -347,11 +347,13 @@ def test_key_covers_the_binary_and_not_the_host(monkeypatch):
     assert AOT.cache_key(CACHED, True, "sm_90a") != key
 
 
-def test_fingerprint_covers_the_family_and_cute_common():
-    """Every .py under the family's folder and under cute_common is fingerprinted; nothing else is."""
+def test_fingerprint_covers_the_family_cute_common_and_the_constants():
+    """Every .py under the family's folder and under cute_common is fingerprinted, and ops/constants.py (values
+    the kernels compile in: the work-item layout); nothing else is."""
     here = os.path.dirname(launch.__file__)
-    assert AOT.source_dirs == (os.path.realpath(here), os.path.realpath(os.path.dirname(aot.__file__)))
-    files = {p for d in AOT.source_dirs for p in os.listdir(d) if p.endswith(".py")}
+    assert AOT.source_dirs == (os.path.realpath(here), os.path.realpath(os.path.dirname(aot.__file__)),
+                               os.path.realpath(constants.__file__))
+    files = {p for d in AOT.source_dirs[:2] for p in os.listdir(d) if p.endswith(".py")}
     assert {"kernel.py", "kernel_fp8mma.py", "launch.py", "scheduler.py", "epilogue.py", "aot.py"} <= files
 
 
@@ -361,7 +363,9 @@ def test_an_edit_to_a_shared_module_invalidates_the_entry(tmp_path, monkeypatch)
     common = tmp_path / "src" / "cute_common"
     shutil.copytree(AOT.source_dirs[0], family, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(AOT.source_dirs[1], common, ignore=shutil.ignore_patterns("__pycache__"))
-    cache = aot.AotCache("cute_sm90", "mla_decode_sm90", (str(family), str(common)))
+    consts = tmp_path / "src" / "constants.py"
+    shutil.copy(AOT.source_dirs[2], consts)
+    cache = aot.AotCache("cute_sm90", "mla_decode_sm90", (str(family), str(common), str(consts)))
     assert cache.source_hash() == AOT.source_hash()  # same bytes, same fingerprint, wherever they live
     root = tmp_path / "cache"
     entry = cache.entry_dir(CACHED, True, "sm_90a", str(root))
@@ -381,6 +385,10 @@ def test_an_edit_to_a_shared_module_invalidates_the_entry(tmp_path, monkeypatch)
     assert cache.source_hash() != AOT.source_hash()
     path, why = cache.check_entry(CACHED, True, "sm_90a", str(root))
     assert path is None and "not prebuilt" in why
+    edited = cache.source_hash()
+    with open(consts, "a") as f:  # a constant the kernels compile in
+        f.write("\n# an edit\n")
+    assert cache.source_hash() != edited
     # an entry whose meta.json names another fingerprint is refused, not loaded, even at a matching path
     monkeypatch.setattr(aot.AotCache, "cache_key", lambda self, v, p, a: os.path.basename(entry))
     path, why = cache.check_entry(CACHED, True, "sm_90a", str(root))

@@ -712,6 +712,21 @@ def test_workspace_sizing(max_batch, max_q_len, heads, max_splits):
         assert ws.partial_rows == 0 and ws.partial_out.shape[0] == 1
 
 
+def test_partials_as_views_the_same_bytes():
+    """16-bit partial rows (cute_sm90 stores them in the output dtype) live in the fp32 buffer's bytes, rows of
+    KV_LORA_RANK elements, at least as many as the fp32 rows; other dtypes are refused by name."""
+    ws = MLAWorkspace(device="cpu", max_batch=8, max_q_len=2, num_heads=128, num_sms=NUM_SMS)
+    assert ws.partials_as(torch.float32) is ws.partial_out
+    for dtype in (torch.bfloat16, torch.float16):
+        view = ws.partials_as(dtype)
+        assert view.dtype == dtype and view.shape == (2 * ws.partial_out.shape[0], KV_LORA_RANK)
+        assert view.is_contiguous() and view.data_ptr() == ws.partial_out.data_ptr()
+        view[-1, -1] = 1.0  # inside the buffer's storage: no allocation of its own
+        assert view.untyped_storage().data_ptr() == ws.partial_out.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="partial dtype.*allowed: float32, bfloat16, float16"):
+        ws.partials_as(torch.float8_e4m3fn)
+
+
 def test_workspace_no_split_when_batch_fills_gpu():
     ws = MLAWorkspace(device="cpu", max_batch=256, max_q_len=4, num_heads=128, num_sms=NUM_SMS, rows_per_cta=64)
     ctas_per_request = -(-128 // ws.rows_per_cta)

@@ -210,7 +210,7 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     the m-block so both halves of a request run side by side) come in this order: first every item of the
     split requests, request by request in order of b (w = S_b + s, S_b = sum of n_b' over split b' < b), then
     one item per unsplit request in order of b (w = NS + #unsplit b' < b, NS = sum of n_b over split b);
-    w >= NS + #unsplit exits at once. A split item stores its fp32 partial (O / l, log2 LSE) in slot w:
+    w >= NS + #unsplit exits at once. A split item stores its partial (O / l, log2 LSE) in slot w:
     ``part = w * (q_len * H) + row``; an unsplit item writes the final output. The CTA (m_blk 0, split 0) of
     the j-th split request writes ``index[1 + 3 j : 4 + 3 j] = (b, S_b, n_b)`` and the CTA (m_blk 0, w 0)
     writes ``index[0] = J`` (the number of split requests), which is all the combine reads.
@@ -522,8 +522,8 @@ class MLAWorkspace:
         # which plan the stream leaves in it (set by ``StepPlans.needs_plan``).
         self.work_items = torch.zeros(worst_items * WORK_ITEM_INTS, dtype=torch.int32, device=self.device)
         self.planned = None
-        # fp32 partial outputs and log2-domain LSEs of every (request, row, split); empty when no batch
-        # size this workspace serves ever splits.
+        # partial outputs (fp32 rows, or 16-bit ones in the same bytes: ``partials_as``) and log2-domain LSEs
+        # of every (request, row, split); empty when no batch size this workspace serves ever splits.
         self.partial_out = torch.empty(max(worst_rows, 1), KV_LORA_RANK, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(max(worst_rows, 1), dtype=torch.float32, device=self.device)
         from mla_backend_plugin.ops.registry import scratch_for
@@ -599,6 +599,16 @@ class MLAWorkspace:
             raise ValueError(f"mla_decode: {why}")
         return self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
                          config.min_chunk, config.device_plan)
+
+    def partials_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The partial outputs as rows of ``dtype`` (float32, or a 16-bit output dtype: the same bytes hold
+        twice the rows, of which a plan uses the first ``partial_out.shape[0]``). A split kernel and the combine
+        that merges its partials must agree on it (kernels/combine ``launch_combine``'s ``partial_dtype``)."""
+        if dtype == torch.float32:
+            return self.partial_out
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"workspace: partial dtype {dtype}; allowed: float32, bfloat16, float16")
+        return self.partial_out.view(dtype).view(-1, KV_LORA_RANK)
 
     def scratch_for(self, key: str) -> torch.Tensor:
         """The zero-initialised scratch buffer (uint8) a family declared under ``key``."""

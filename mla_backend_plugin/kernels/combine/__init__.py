@@ -1,5 +1,6 @@
-"""Split-KV combine shared by every kernel family: merges the fp32 partials a split kernel left in the
-workspace into the final output and natural-log LSE (``kernel.launch_combine``).
+"""Split-KV combine shared by every kernel family: merges the partials a split kernel left in the workspace
+(fp32, or the output dtype as cute_sm90 stores them: ``Workspace.partials_as``) into the final output and
+natural-log LSE (``kernel.launch_combine``).
 
 Two layouts, one per split plan (ops/workspace.py): the uniform plan's ``part = (b * q_len * H + row) *
 num_splits + split`` (the combine recomputes each request's split count from seq_lens), and the balanced

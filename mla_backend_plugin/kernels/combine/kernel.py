@@ -65,7 +65,7 @@ def combine_uniform_kernel(
     for s in range(0, n_splits):
         # the split's weight from its own LSE (an L1 hit), not picked out of ``w`` with a cross-warp sum per split
         w_s = tl.exp2(tl.load(part_lse_ptr + base + s) - lse_use)
-        acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d)
+        acc += w_s * tl.load(part_o_ptr + (base + s).to(tl.int64) * D_NOPE + offs_d).to(tl.float32)
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     t = row // NUM_HEADS
     h = row % NUM_HEADS
@@ -122,7 +122,7 @@ def combine_balanced_kernel(
         # slots past n_b weigh 0 and load 0 (never the workspace's stale values)
         w_s = tl.exp2(tl.load(part_lse_ptr + row_part, mask=b_ok[None, :], other=float("-inf")) - lse_use[:, None])
         o = tl.load(part_o_ptr + row_part[:, :, None] * D_NOPE + offs_d[None, None, :], mask=b_ok[None, :, None],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         acc += tl.sum(w_s[:, :, None] * o, axis=1)
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     tok = b * Q_LEN + rows // NUM_HEADS
@@ -141,9 +141,11 @@ def scale_args(scale):
     return None, 1.0 if scale is None else float(scale), False
 
 
-def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -> None:
-    """Merge the fp32 split partials of ``workspace`` into args.out / args.lse, for every split kernel that
-    writes the workspace layout of ``plan`` (the plan the split kernel ran):
+def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
+                   partial_dtype: torch.dtype = torch.float32) -> None:
+    """Merge the split partials of ``workspace`` (rows of ``partial_dtype``, as the split kernel stored them:
+    ``Workspace.partials_as``) into args.out / args.lse, for every split kernel that writes the workspace layout
+    of ``plan`` (the plan the split kernel ran):
 
     * uniform plan: part = (request * q_len * H + row) * num_splits + split, the split count of each request
       recomputed here from seq_lens (``request_splits``, with the split kernel's ``block_n``);
@@ -155,13 +157,14 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -
     kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
     kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
     out, lse = args.out, args.lse
+    partials = workspace.partials_as(partial_dtype)
     extra = {"launch_pdl": True} if use_pdl else {}
     if plan.balanced:
         if plan.max_split_requests == 0:
             return
         rows = args.q_len * args.num_heads
         combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
-            out, lse, workspace.partial_out, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
+            out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
             D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
@@ -169,7 +172,7 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False) -
         )
         return
     combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](
-        out, lse, workspace.partial_out, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
+        out, lse, partials, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n,
         NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,

@@ -11,8 +11,8 @@ Device side (import cutlass):
 
 * ``scheduler.py``: the balanced split plan as the device computes it (``BalancedScheduler``), bit for bit
   ``ops/workspace.balanced_schedule``;
-* ``epilogue.py``: the global-memory half of the epilogue (final output + LSE, or the fp32 partial in its
-  slot of the workspace) and the dequantisation scales as a kernel reads them;
+* ``epilogue.py``: the global-memory half of the epilogue (final output + LSE, or the partial in its slot of
+  the workspace) and the dequantisation scales as a kernel reads them;
 * ``barriers.py``: named-barrier ids and an mbarrier ring with its phase arithmetic;
 * ``compat.py``: what differs between the nvidia-cutlass-dsl versions we support.
 

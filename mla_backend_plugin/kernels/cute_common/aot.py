@@ -13,12 +13,12 @@ DSL at all on the loading host, only apache-tvm-ffi (its ``libtvm_ffi.so`` is th
 loads; the library names it by soname). The directory can be built on a CPU machine and copied anywhere.
 
 The key hashes what changes the binary and does not depend on what the loading host has installed: the
-fingerprint of the sources (every ``.py`` under the family's folder and under ``cute_common/``, so an edit
-to a shared module invalidates every family that uses it), the variant, PDL on/off, the target arch and the
-exported function's name. The toolchain versions live in ``meta.json`` and are checked on load: with
-nvidia-cutlass-dsl importable, an entry built by another DSL or tvm-ffi version is stale (rebuilt and
-overwritten); without it, an entry is used when the installed apache-tvm-ffi is of the same release series
-(major.minor) as the one it was built against.
+fingerprint of the sources (every ``.py`` under the family's folder and under ``cute_common/``, and
+``ops/constants.py``, so an edit to a shared module invalidates every family that uses it), the variant,
+PDL on/off, the target arch and the exported function's name. The toolchain versions live in ``meta.json``
+and are checked on load: with nvidia-cutlass-dsl importable, an entry built by another DSL or tvm-ffi
+version is stale (rebuilt and overwritten); without it, an entry is used when the installed apache-tvm-ffi is
+of the same release series (major.minor) as the one it was built against.
 
 ``CUTE_MLA_CUTE_CACHE`` (envs.py): unset, ``1`` or ``on`` -> ``~/.cache/mla_backend_plugin/cute``; ``0`` /
 ``off`` -> no cache; anything else -> that directory.
@@ -56,6 +56,9 @@ RUNTIME_NAME = "libcute_dsl_runtime.so"
 FORMAT = 2  # layout of an entry; part of the key (2: family fingerprints, one root for every family)
 DSL_DIST, TVM_FFI_DIST = "nvidia-cutlass-dsl", "apache-tvm-ffi"
 COMMON_DIR = Path(__file__).resolve().parent
+# constants the kernels compile in (the work-item layout WORK_ITEM_INTS, SHARE_REQUEST_COST, head dims): an
+# edit there changes the binaries as an edit to a kernel does
+CONSTANTS_FILE = COMMON_DIR.parent.parent / "ops" / "constants.py"
 PACKAGED_ROOT = str(COMMON_DIR.parent / "prebuilt")  # mla_backend_plugin/kernels/prebuilt (package data)
 SHARED_RUNTIME = "installed"  # meta "runtime" of a packaged entry: the installed DSL's own runtime library
 logger = logging.getLogger("mla_backend_plugin")
@@ -104,13 +107,16 @@ def dsl_importable() -> bool:
         return False
 
 
-def fingerprint(dirs) -> str:
-    """sha256 over every ``.py`` file under ``dirs`` (relative path and bytes, in sorted order)."""
+def fingerprint(sources) -> str:
+    """sha256 over every ``.py`` file under ``sources`` (folders, or single files; relative path and bytes, in
+    sorted order)."""
     h = hashlib.sha256()
-    for d in dirs:
+    for d in sources:
         d = Path(d)
-        for path in sorted(p for p in d.rglob("*.py") if "__pycache__" not in p.parts):
-            h.update(f"{d.name}/{path.relative_to(d).as_posix()}".encode() + b"\0" + path.read_bytes() + b"\0")
+        files = [d] if d.is_file() else sorted(p for p in d.rglob("*.py") if "__pycache__" not in p.parts)
+        for path in files:
+            rel = d.name if path == d else f"{d.name}/{path.relative_to(d).as_posix()}"
+            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -121,7 +127,8 @@ def _series(version: str) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class AotCache:
     """The cache as one CuTe family sees it: its entries are named ``<family>-<key>`` and hold
-    ``<function>.so``; ``source_dirs`` are fingerprinted into every key (the family's folder + cute_common)."""
+    ``<function>.so``; ``source_dirs`` are fingerprinted into every key (the family's folder, cute_common and
+    ops/constants.py)."""
 
     family: str
     function_name: str
@@ -132,7 +139,8 @@ class AotCache:
 
     @classmethod
     def for_family(cls, family: str, function_name: str, family_dir, builder_module: str = "") -> AotCache:
-        return cls(family, function_name, (str(Path(family_dir).resolve()), str(COMMON_DIR)), builder_module)
+        return cls(family, function_name, (str(Path(family_dir).resolve()), str(COMMON_DIR), str(CONSTANTS_FILE)),
+                   builder_module)
 
     @property
     def library_name(self) -> str:

@@ -2,8 +2,9 @@
 
 A CTA owns ``block_m`` query rows of one request (rows = q_len x heads folded into M: row r is token
 r // H, head r % H) for one work item of the split plan. An unsplit item writes the final output (x kv_scale,
-in the output dtype) and the natural-log LSE; a split item writes its fp32 partial (O / l) and log2 LSE to
-slot w of the workspace (``part = w * q_len * H + r``), which kernels/combine merges. Each arch keeps its own
+in the output dtype) and the natural-log LSE; a split item writes its partial O / l (cute_sm90: in the output
+dtype; cute_sm100: fp32; ``Workspace.partials_as``) and fp32 log2 LSE to slot w of the workspace
+(``part = w * q_len * H + r``), which kernels/combine merges. Each arch keeps its own
 loop over its accumulator layout and addresses through ``OutputStore``; ``lse2 * LN2`` turns a log2-domain LSE
 into the natural-log one the API returns.
 
@@ -127,10 +128,12 @@ def fused_combine(output: OutputStore, mCtr: cute.Tensor, mPartO: cute.Tensor, m
         if lane == 0:
             mLse[output.final_index(b, row)] = lse
     barrier()
-    # the rows, 4 columns per thread and item: the weighted sum over the splits' fp32 partials, SPLIT_ROUND
-    # independent 16-byte loads in flight per thread (a round past n_splits re-reads the last split, weight 0)
-    per_row = mOut.shape[2] // 4
-    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    # the rows, one 16-byte piece of a partial row per thread and item (4 fp32 or 8 16-bit columns): the
+    # weighted sum over the splits' partials, SPLIT_ROUND independent 16-byte loads in flight per thread (a
+    # round past n_splits re-reads the last split, weight 0)
+    vec = 128 // mPartO.element_type.width
+    per_row = mOut.shape[2] // vec
+    acc = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.Float32)
     for i in cutlass.range(ctid, n_rows * per_row, num_threads, unroll=1):
         r = i // per_row
         c = i - r * per_row
@@ -142,10 +145,10 @@ def fused_combine(output: OutputStore, mCtr: cute.Tensor, mPartO: cute.Tensor, m
                 wt = s_w[r * n_splits + s]
                 if s0 + u >= n_splits:
                     wt = cutlass.Float32(0.0)
-                part = cute.local_tile(mPartO[(output.partial_index(slot0 + s, row), None)], (4,), (c,)).load()
-                acc.store(acc.load() + part * wt)
+                part = cute.local_tile(mPartO[(output.partial_index(slot0 + s, row), None)], (vec,), (c,)).load()
+                acc.store(acc.load() + part.to(cutlass.Float32) * wt)
         tok, h = output.final_index(b, row)
-        cute.local_tile(mOut[(tok, h, None)], (4,), (c,)).store(acc.load().to(mOut.element_type))
+        cute.local_tile(mOut[(tok, h, None)], (vec,), (c,)).store(acc.load().to(mOut.element_type))
     barrier()
     if ctid == 0:
         if cute.arch.atomic_add(ctr, cutlass.Int32(1), sem="relaxed", scope="gpu") == 2 * n_splits - 1:

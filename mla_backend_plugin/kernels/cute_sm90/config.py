@@ -28,7 +28,7 @@ REGS_PRODUCER_FP8 = 56
 # then) and writes whole rows with 16-byte stores. Row pitch 512 + 8 elements keeps rows 16-byte aligned and
 # spreads the accumulator layout's 8 rows per warp over all 32 banks.
 STAGE_ROW = 512 + 8
-STAGE_BYTES = BLOCK_M * STAGE_ROW * 4  # fp32 partials, the larger of the two staged dtypes
+STAGE_BYTES = BLOCK_M * STAGE_ROW * 2  # the output dtype (a split item's partial too: launch.compile_variant)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ correctly with new lengths, and one long request among short ones is split even 
 
 Softmax runs in the log2 domain with the q/kv dequantisation scales folded into the logit scale; out is
 multiplied by kv_scale. An unsplit item writes out (bf16/fp16) and the natural-log LSE; a split item writes
-fp32 partials (normalised O, log2 LSE) to its slot of the workspace, and the balanced combine kernel
-(kernels/combine) merges them using the split list this kernel writes; when the whole grid fits on the GPU
-at once (small batches), the split CTAs of a request merge them themselves at the end (cute_common/epilogue.py
-``fused_combine``) and no combine kernel runs. PDL: griddepcontrol.wait before the first global read,
-launch_dependents after the last store.
+its partial (normalised O in the output dtype, fp32 log2 LSE) to its slot of the workspace, and the
+balanced combine kernel (kernels/combine) merges them using the split list this kernel writes; when the
+whole grid fits on the GPU at once (small batches), the split CTAs of a request merge them themselves at the
+end (cute_common/epilogue.py ``fused_combine``) and no combine kernel runs. PDL: griddepcontrol.wait before
+the first global read, launch_dependents after the last store.
 """
 
 from __future__ import annotations
@@ -517,8 +517,9 @@ class Sm90MlaDecode:
     def store_result(self, acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
                      mPartLse, kscale, o_scale: cutlass.Constexpr, n_splits, b, mblk, slot):
         """Epilogue of both consumer groups (every design): add the other group's half of each row sum, then
-        an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its fp32 partial (O / l,
-        log2 LSE) to ``slot``. ``o_scale`` undoes a scale the accumulated O carries (design B's P x 256).
+        an unsplit item writes out (x kv_scale) and the natural-log LSE, a split item its partial (O / l in the
+        output dtype, fp32 log2 LSE) to ``slot``. ``o_scale`` undoes a scale the accumulated O carries (design
+        B's P x 256).
 
         The 64 x 512 tile goes through shared memory at ``stage_ptr`` (Q's buffer and the KV ring after it,
         free once both groups' wgmmas have retired: they did before the row-sum barrier) and leaves as whole
@@ -549,38 +550,38 @@ class Sm90MlaDecode:
             inv[half] = i_v
             lse2[half] = l_v
         rows = self.output.rows
+        # both kinds of item stage the tile in the output dtype (a split item's partial too: launch.py
+        # compile_variant) and store whole rows of 16-byte pieces
+        out_scale = cutlass.Float32(1.0)
         if n_splits == 1:
-            for v in cutlass.range_constexpr(n_o):
-                acc_o[v] = acc_o[v] * (inv[(v >> 1) & 1] * kscale)
-            s_out = self.staged_tile(stage_ptr, self.out_dtype)
-            pv_thr.partition_C(s_out).store(acc_o.load().to(self.out_dtype))
-            consumer_barrier()
-            vec = 16 * 8 // self.out_dtype.width
-            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // vec), 256, unroll=4):
-                row = i // (D_NOPE // vec)
+            out_scale = kscale
+        for v in cutlass.range_constexpr(n_o):
+            acc_o[v] = acc_o[v] * (inv[(v >> 1) & 1] * out_scale)
+        s_out = self.staged_tile(stage_ptr, self.out_dtype)
+        pv_thr.partition_C(s_out).store(acc_o.load().to(self.out_dtype))
+        consumer_barrier()
+        vec = 16 * 8 // self.out_dtype.width
+        pieces = D_NOPE // vec
+        if n_splits == 1:
+            for i in cutlass.range(ctid, BLOCK_M * pieces, 256, unroll=4):
+                row = i // pieces
                 r = self.output.row(mblk, row)
                 if r < rows:
                     tok, h = self.output.final_index(b, r)
-                    dst = cute.local_tile(mOut[(tok, h, None)], (vec,), (i % (D_NOPE // vec),))
-                    dst.store(cute.local_tile(s_out[(row, None)], (vec,), (i % (D_NOPE // vec),)).load())
+                    dst = cute.local_tile(mOut[(tok, h, None)], (vec,), (i % pieces,))
+                    dst.store(cute.local_tile(s_out[(row, None)], (vec,), (i % pieces,)).load())
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = self.output.row(mblk, tScS[2 * half][0])
                     if r < rows:
                         mLse[self.output.final_index(b, r)] = lse2[half] * LN2
         else:
-            for v in cutlass.range_constexpr(n_o):
-                acc_o[v] = acc_o[v] * inv[(v >> 1) & 1]
-            s_part = self.staged_tile(stage_ptr, cutlass.Float32)
-            pv_thr.partition_C(s_part).store(acc_o.load())
-            consumer_barrier()
-            for i in cutlass.range(ctid, BLOCK_M * (D_NOPE // 4), 256, unroll=4):  # the item's slot of the plan
-                row = i // (D_NOPE // 4)
+            for i in cutlass.range(ctid, BLOCK_M * pieces, 256, unroll=4):  # the item's slot of the plan
+                row = i // pieces
                 r = self.output.row(mblk, row)
                 if r < rows:
-                    part = self.output.partial_index(slot, r)
-                    dst = cute.local_tile(mPartO[(part, None)], (4,), (i % (D_NOPE // 4),))
-                    dst.store(cute.local_tile(s_part[(row, None)], (4,), (i % (D_NOPE // 4),)).load())
+                    dst = cute.local_tile(mPartO[(self.output.partial_index(slot, r), None)], (vec,), (i % pieces,))
+                    dst.store(cute.local_tile(s_out[(row, None)], (vec,), (i % pieces,)).load())
             if ctid < 128 and lane % 4 == 0:
                 for half in cutlass.range_constexpr(2):
                     r = self.output.row(mblk, tScS[2 * half][0])

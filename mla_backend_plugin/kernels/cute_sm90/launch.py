@@ -159,7 +159,11 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
     o_align = 16 // (od.width // 8)
     out = make_fake_tensor(od, (tokens, H, D), (sym(o_align), sym(o_align), 1), assumed_align=16)
     lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
-    part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
+    # A split item stores its partial O / l in the output dtype, not fp32, as FlashInfer's MLA kernels do: a
+    # 64-row CTA writes 64 KB instead of 128 (about one bf16 KV tile more per CTA) and the combine reads half,
+    # for one more rounding of the output dtype on the merged value (benchmarks/NOTES.md, session 20). The
+    # LSEs stay fp32.
+    part_o = make_fake_tensor(od, (sym(), D), (D, 1), assumed_align=16)
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
     kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
@@ -234,9 +238,9 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
     counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
-       workspace.partial_out, workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
+       workspace.partials_as(args.out.dtype), workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, int(fused), stream)
     if plan.has_combine and not fused:
         # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
         # cost B=1 q_len 2 more than it saved anywhere (benchmarks/NOTES.md, cute_sm90 v3)
-        launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False)
+        launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False, partial_dtype=args.out.dtype)
