@@ -526,6 +526,8 @@ class MLAWorkspace:
         # of every (request, row, split); empty when no batch size this workspace serves ever splits.
         self.partial_out = torch.empty(max(worst_rows, 1), KV_LORA_RANK, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(max(worst_rows, 1), dtype=torch.float32, device=self.device)
+        # ``partials_as``'s views, made once: every split launch asks for one (no tensor views per call)
+        self._partial_views = {torch.float32: self.partial_out}
         from mla_backend_plugin.ops.registry import scratch_for
 
         self.scratch = {key: torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
@@ -604,11 +606,12 @@ class MLAWorkspace:
         """The partial outputs as rows of ``dtype`` (float32, or a 16-bit output dtype: the same bytes hold
         twice the rows, of which a plan uses the first ``partial_out.shape[0]``). A split kernel and the combine
         that merges its partials must agree on it (kernels/combine ``launch_combine``'s ``partial_dtype``)."""
-        if dtype == torch.float32:
-            return self.partial_out
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"workspace: partial dtype {dtype}; allowed: float32, bfloat16, float16")
-        return self.partial_out.view(dtype).view(-1, KV_LORA_RANK)
+        view = self._partial_views.get(dtype)
+        if view is None:
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"workspace: partial dtype {dtype}; allowed: float32, bfloat16, float16")
+            view = self._partial_views[dtype] = self.partial_out.view(dtype).view(-1, KV_LORA_RANK)
+        return view
 
     def scratch_for(self, key: str) -> torch.Tensor:
         """The zero-initialised scratch buffer (uint8) a family declared under ``key``."""

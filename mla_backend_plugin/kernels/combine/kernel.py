@@ -157,11 +157,11 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
     kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
     kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
     out, lse = args.out, args.lse
-    partials = workspace.partials_as(partial_dtype)
     extra = {"launch_pdl": True} if use_pdl else {}
+    if plan.balanced and plan.max_split_requests == 0:
+        return
+    partials = workspace.partials_as(partial_dtype)
     if plan.balanced:
-        if plan.max_split_requests == 0:
-            return
         rows = args.q_len * args.num_heads
         combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
             out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,

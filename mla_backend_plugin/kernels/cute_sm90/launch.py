@@ -160,9 +160,8 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
     out = make_fake_tensor(od, (tokens, H, D), (sym(o_align), sym(o_align), 1), assumed_align=16)
     lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     # A split item stores its partial O / l in the output dtype, not fp32, as FlashInfer's MLA kernels do: a
-    # 64-row CTA writes 64 KB instead of 128 (about one bf16 KV tile more per CTA) and the combine reads half,
-    # for one more rounding of the output dtype on the merged value (benchmarks/NOTES.md, session 20). The
-    # LSEs stay fp32.
+    # 64-row CTA writes 64 KB instead of 128 KB (a bf16 KV tile is 72 KB) and the combine reads half, for one
+    # more rounding of the output dtype on each partial (benchmarks/NOTES.md, session 20). The LSEs stay fp32.
     part_o = make_fake_tensor(od, (sym(), D), (D, 1), assumed_align=16)
     part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
     q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
