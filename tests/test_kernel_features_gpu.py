@@ -25,6 +25,7 @@ import torch
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import KERNELS, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,
@@ -203,7 +204,8 @@ def test_cute_sm90_fused_combine(kernel, monkeypatch, case, kv_dtype, q_form):
 
     batch, q_len, heads, bs, lens = case
     width = 8192 // bs
-    ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=heads)
+    # as the serving backends make it: room for the wave-filling split cap (64 splits at B=1)
+    ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=heads, split_capacity=SPLIT_CAPACITY)
     counters = ws.scratch_for(launch.COMBINE_SCRATCH).view(torch.int32)
     plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=64)
     probe = SimpleNamespace(q_len=q_len, num_heads=heads, q_nope=SimpleNamespace(device=torch.device("cuda", 0)))

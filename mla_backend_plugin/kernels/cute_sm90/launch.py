@@ -215,6 +215,25 @@ def fuses_combine(args, plan) -> bool:
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
 
 
+@functools.lru_cache(maxsize=256)
+def _with_split_cap(config: LaunchConfig, cap: int) -> LaunchConfig:
+    return dataclasses.replace(config, max_splits=cap)
+
+
+def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
+    """A config without its own split cap gets the workspace's default (32), which leaves part of a wave of work
+    items idle when batch x 32 < W (the balanced plan's items per m-block: 66 at 128 heads and q_len 1 on 132
+    SMs): at B=1 only 32 of the 66 slots. Such a config gets min(W // batch, the workspace's split capacity) instead
+    (B=1: 64), so a one-request step fills the GPU: B=1 S=32k fp8 42.6 -> 30.8 us, bf16 51.2 -> 44.7
+    (benchmarks/NOTES.md, session 20). The grid stays within one wave (at most W items), so the fused combine still
+    serves it; the cap of 64 at B=2 (128 items, a second wave and the separate combine) cost 6-33% there."""
+    if config.max_splits is not None or not config.balanced:
+        return config
+    work = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config).work_target
+    cap = min(workspace.split_capacity, work // args.batch)
+    return _with_split_cap(config, cap) if cap > workspace.max_splits else config
+
+
 def launch(args, workspace, config: LaunchConfig) -> None:
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
@@ -222,6 +241,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
         raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
                          "(the kernel's device schedules)")
     fn = _compiled(variant_for(args, config), config.enable_pdl)
+    config = wave_filling_config(args, workspace, config)
     # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
     # workspace's limit) < 2^16
     plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
