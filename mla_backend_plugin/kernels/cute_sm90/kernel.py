@@ -158,7 +158,9 @@ class Sm90MlaDecode:
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
             # per-row partial softmax statistics exchanged between the two consumer groups
-            row_max_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            # (the seesaw32 schedule's running maxima after each group's half, one buffer per tile parity, use
+            # all four rows of 64)
+            row_max_x: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
             row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             sP: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(p_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
@@ -200,7 +202,7 @@ class Sm90MlaDecode:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(4 * BLOCK_M))
         sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
 
