@@ -36,8 +36,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from mla_backend_plugin.kernels.cute_common.barriers import Sm90DecodeBarrier, consumer_sync
 from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
-from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, KV_STAGES, Q_REG_CHUNKS, Variant
-from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, Sm90MlaDecode, exp_base, scale_mask_max
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, KV_STAGES, Variant
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, Sm90MlaDecode, exp_base
+from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw
 
 HALF_KEYS = BLOCK_N // 2
 K_STEPS_HALF = HALF_KEYS // 16  # k-steps of P V over one group's keys
@@ -73,26 +74,10 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
                                                       (BLOCK_M, D_NOPE // 2), warpgroup.OperandSource.RMEM)
         pv_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qk_thr = qk_mma.get_slice(ctid)
-        pv_thr = pv_mma.get_slice(ctid)
+        (pv_thr, tSrQ, tSrQreg, tSrK, tOrP, tOrV, acc_o, acc_s, tScS,
+         tSsP) = self.split_key_operands(qk_mma, qk_rs_mma, pv_mma, sQ, sKV, sV, sP, ctid)
         pv_rs_thr = pv_rs_mma.get_slice(ctid)
         tOrVrs = pv_rs_thr.make_fragment_B(pv_rs_thr.partition_B(sV))
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
-        qk_rs_thr = qk_rs_mma.get_slice(ctid)
-        tSsQ_rs = qk_rs_thr.partition_A(sQ)
-        k_smem = cute.size(tSsQ_rs, mode=[2]) - Q_REG_CHUNKS * 4
-        tSrQreg = cute.make_rmem_tensor(
-            cute.make_layout(((2, 2, 2), 1, Q_REG_CHUNKS * 4), stride=((1, 2, 4), 0, 8)), cd)
-        for k in cutlass.range_constexpr(Q_REG_CHUNKS * 4):
-            cute.autovec_copy(tSsQ_rs[(None, 0, k_smem + k, 0)], tSrQreg[(None, 0, k)])
-        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKV))
-        tOrP = pv_thr.make_fragment_A(pv_thr.partition_A(sP))
-        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
-        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
-        acc_o.fill(0.0)
-        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
-        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
-        tSsP = qk_thr.partition_C(sP[(None, None, 0)])
         # this group's P as the A operand of its own P V: the S accumulator's 16 values in the same order (the C
         # layout of m64n32 and the A layout of two m64k16 steps hold the same (row, key) per value index)
         r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, K_STEPS_HALF), stride=((1, 2, 4), 0, 8)), cd)
@@ -200,33 +185,7 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
             cute.gemm(pv_rs_mma, acc_o, r_p[(None, None, k)], tOrV[(None, None, k0 + k, stage)], acc_o)
         warpgroup.commit_group()
 
-    @cute.jit
-    def half_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):
-        """Scale this group's S into the log2 domain in place, mask keys past each row's limit, and return the
-        rows' maxima over its 32 keys (quad-reduced)."""
-        m_loc = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        for half in cutlass.range_constexpr(2):
-            m_loc[half] = -cutlass.Float32.inf
-            row_scale[half] = scale_log2
-        scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc)
-        for half in cutlass.range_constexpr(2):
-            m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
-        return m_loc
-
-    @cute.jit
-    def exp_and_sum(self, acc_s, r_p, row_sum, alpha, m_use):
-        for half in cutlass.range_constexpr(2):
-            row_sum[half] = row_sum[half] * alpha[half]
-        for v in cutlass.range_constexpr(cute.size(acc_s)):
-            half = (v >> 1) & 1
-            p = cute.math.exp2(acc_s[v] - m_use[half], fastmath=True)
-            acc_s[v] = p
-            row_sum[half] = row_sum[half] + p
-            r_p[v] = p.to(self.cdtype)
-
-    @cute.jit
-    def rescale_o(self, acc_o, alpha):
-        if cute.arch.vote_any_sync(alpha[0] != 1.0 or alpha[1] != 1.0):
-            for v in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[v] = acc_o[v] * alpha[(v >> 1) & 1]
+    # the seesaw's per-group softmax pieces, unchanged (16 S values per thread here instead of 32)
+    half_row_max = Sm90MlaDecodeSeesaw.scaled_row_max
+    exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
+    rescale_o = Sm90MlaDecodeSeesaw.rescale_o
