@@ -87,6 +87,10 @@ def test_schedule_follows_the_environment_for_16_bit_caches(monkeypatch):
     lockstep = variant_for(_args())
     assert lockstep.schedule == "lockstep" and lockstep.name.endswith(" lockstep") and lockstep != seesaw
     assert variant_for(fp8).schedule == "lockstep" and "lockstep" not in variant_for(fp8).name
+    monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "seesaw32")
+    halves = variant_for(_args())
+    assert halves.schedule == "seesaw32" and halves.name.endswith(" seesaw32") and halves not in (seesaw, lockstep)
+    assert variant_for(fp8).schedule == "lockstep"
     monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE")
     assert variant_for(fp8).schedule == "lockstep"
     monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "pingpong")

@@ -165,10 +165,10 @@ def test_compute_sanitizer(tool, kernel):
     assert re.search(summary, text), text[-4000:]
 
 
-@pytest.mark.parametrize("schedule", ["seesaw", "lockstep"])
+@pytest.mark.parametrize("schedule", ["seesaw", "lockstep", "seesaw32"])
 @pytest.mark.parametrize("bs", [16, 64])
 def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
-    """Both 16-bit schedules of cute_sm90 against the reference: odd and even tile counts per split (the seesaw
+    """Every 16-bit schedule of cute_sm90 against the reference: odd and even tile counts per split (the seesaw
     pairs tiles; an odd count ends with an empty tile B), splits ending inside a page, NaN in every unread slot
     (make_decode_inputs) and in the outputs before the call."""
     if kernel != "cute_sm90":

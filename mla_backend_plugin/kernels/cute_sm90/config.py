@@ -31,6 +31,10 @@ STAGE_ROW = 512 + 8
 STAGE_BYTES = BLOCK_M * STAGE_ROW * 2  # the output dtype (a split item's partial too: launch.compile_variant)
 
 
+# 16-bit caches: kernel_seesaw.py, kernel.py (lock step), kernel_seesaw32.py (the seesaw on the halves of one tile)
+SCHEDULES = ("seesaw", "lockstep", "seesaw32")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Everything that changes the compiled binary (the compile-cache key)."""
@@ -54,8 +58,8 @@ class Variant:
     schedule: str = "seesaw"
 
     def __post_init__(self):
-        if self.schedule not in ("seesaw", "lockstep"):
-            raise ValueError(f"schedule {self.schedule!r}; allowed: seesaw, lockstep")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
         if self.kv_dtype == "fp8" and self.schedule != "lockstep":
             object.__setattr__(self, "schedule", "lockstep")
 
@@ -68,7 +72,7 @@ class Variant:
         scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
         design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
         rows = " row_kv_lens" if self.row_kv_lens else ""
-        schedule = " lockstep" if self.kv_dtype != "fp8" and self.schedule == "lockstep" else ""
+        schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
         return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
                 f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}{schedule}")
 

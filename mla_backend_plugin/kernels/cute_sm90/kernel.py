@@ -158,7 +158,9 @@ class Sm90MlaDecode:
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
             # per-row partial softmax statistics exchanged between the two consumer groups
-            row_max_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            # (the seesaw32 schedule's running maxima after each group's half, one buffer per tile parity, use
+            # all four rows of 64)
+            row_max_x: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
             row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             sP: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(p_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
@@ -200,7 +202,7 @@ class Sm90MlaDecode:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(4 * BLOCK_M))
         sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
 
@@ -357,22 +359,15 @@ class Sm90MlaDecode:
         consumer_barrier()
 
     @cute.jit
-    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, stage_ptr, mQn, mQp, mBT,
-                mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits,
-                b, mblk, slot, seq_len, kv_start, kv_end, n_tiles, ctid):
+    def split_key_operands(self, qk_mma, qk_rs_mma, pv_mma, sQ, sKV, sV, sP, ctid):
+        """A consumer thread's operands when the groups split each tile's keys for S (this kernel's layouts,
+        shared with kernel_seesaw32.py): the P V slice, Q's fragments (the last Q_REG_CHUNKS chunks loaded into
+        registers once), K, P and V, the zeroed O accumulator, the S accumulator, this thread's (row, key)
+        coordinates in the tile and its elements of P in shared memory."""
         cd = self.cdtype
-        grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
-
-        self.load_q(sQ, mQn, mQp, b, mblk, ctid)
-
-        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
-                                     mKVScale)
-        scale_log2 = sm_scale_log2 * qscale * kscale
-
         qk_thr = qk_mma.get_slice(ctid)
         pv_thr = pv_mma.get_slice(ctid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
-        # the last Q_REG_CHUNKS chunks of Q as register A fragments (loaded once)
         qk_rs_thr = qk_rs_mma.get_slice(ctid)
         tSsQ_rs = qk_rs_thr.partition_A(sQ)
         k_smem = cute.size(tSsQ_rs, mode=[2]) - Q_REG_CHUNKS * 4
@@ -387,9 +382,25 @@ class Sm90MlaDecode:
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, D_NOPE)))
         acc_o.fill(0.0)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
-        # this thread's (row, key) coordinates in the tile, and its elements of P in shared memory
         tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
         tSsP = qk_thr.partition_C(sP[(None, None, 0)])
+        return pv_thr, tSrQ, tSrQreg, tSrK, tOrP, tOrV, acc_o, acc_s, tScS, tSsP
+
+    @cute.jit
+    def consume(self, qk_mma, qk_rs_mma, pv_mma, kv_pipe, sQ, sKV, sV, sP, sMaxX, sSumX, stage_ptr, mQn, mQp, mBT,
+                mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits,
+                b, mblk, slot, seq_len, kv_start, kv_end, n_tiles, ctid):
+        cd = self.cdtype
+        grp = ctid // 128  # 0: keys 0..31 of each tile and output columns 0..255; 1: keys 32..63, columns 256..
+
+        self.load_q(sQ, mQn, mQp, b, mblk, ctid)
+
+        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                     mKVScale)
+        scale_log2 = sm_scale_log2 * qscale * kscale
+
+        (pv_thr, tSrQ, tSrQreg, tSrK, tOrP, tOrV, acc_o, acc_s, tScS,
+         tSsP) = self.split_key_operands(qk_mma, qk_rs_mma, pv_mma, sQ, sKV, sV, sP, ctid)
 
         # the two rows this thread holds (accumulator values v with (v >> 1) & 1 == half)
         row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)

@@ -133,6 +133,8 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
         from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
     elif variant.schedule == "seesaw":
         from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw as kernel_class
+    elif variant.schedule == "seesaw32":
+        from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw32 import Sm90MlaDecodeSeesaw32 as kernel_class
     else:
         kernel_class = Sm90MlaDecode
 
