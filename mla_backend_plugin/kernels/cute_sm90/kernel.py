@@ -58,9 +58,10 @@ D_NOPE = 512
 D_ROPE = 64
 D_QK = D_NOPE + D_ROPE
 K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
-# Q's 64 x 576 tile is 18 16-byte pieces per consumer thread: loaded in rounds of this many
-Q_LOAD_BATCH = 6
-assert BLOCK_M * (D_QK // 8) % (256 * Q_LOAD_BATCH) == 0
+# Q's 64 x 576 tile as pieces of 8 elements per consumer thread (256 threads): 16 of q_nope, 2 of q_pe
+Q_NOPE_PIECES = BLOCK_M * (D_NOPE // 8) // 256
+Q_ROPE_PIECES = BLOCK_M * (D_ROPE // 8) // 256
+assert Q_NOPE_PIECES * 256 == BLOCK_M * (D_NOPE // 8) and Q_ROPE_PIECES * 256 == BLOCK_M * (D_ROPE // 8)
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
@@ -330,31 +331,46 @@ class Sm90MlaDecode:
     @cute.jit
     def load_q(self, sQ, mQn, mQp, b, mblk, ctid):
         """Both consumer groups (256 threads) copy the CTA's 64 query rows into 128B-swizzled shared memory in
-        the compute dtype (an fp8 q widened), zero rows past q_len x H, and meet once it is visible to wgmma."""
+        the compute dtype (an fp8 q widened), zero rows past q_len x H, and meet once it is visible to wgmma.
+
+        Every thread issues all its 18 global loads before its first shared store, so the CTA pays one global
+        round trip before its first wgmma: with a branch per piece (rows past q_len x H) ptxas kept loads and
+        stores interleaved, 6 round trips at the start of every CTA (B=1: 11% of the samples, benchmarks/NOTES.md
+        session 20). A thread keeps one column piece of 64 consecutive ones and walks rows, so the loads need no
+        branch: a row past the end reads the last valid row (in bounds) and is stored as zeros."""
         H = self.v.num_heads
         QL = self.v.q_len
         cd = self.cdtype
         rows = self.rows
-        # 18 16-byte pieces per thread in 3 rounds of Q_LOAD_BATCH independent loads: a loop of one piece per
-        # iteration (not unrolled) waited one global round trip per piece at the start of every CTA
-        for i0 in cutlass.range(ctid, BLOCK_M * (D_QK // 8), 256 * Q_LOAD_BATCH, unroll=1):
-            for k in cutlass.range_constexpr(Q_LOAD_BATCH):
-                i = i0 + 256 * k
-                row = i // (D_QK // 8)
-                c8 = i % (D_QK // 8)
-                r = mblk * BLOCK_M + row
-                dst = cute.local_tile(sQ[(row, None, 0)], (8,), (c8,))
-                if r < rows:
-                    tok = b * QL + r // H
-                    h = r % H
-                    if c8 < D_NOPE // 8:
-                        src = cute.local_tile(mQn[(tok, h, None)], (8,), (c8,))
-                        dst.store(src.load().to(cutlass.Float32).to(cd))
-                    else:
-                        src = cute.local_tile(mQp[(tok, h, None)], (8,), (c8 - D_NOPE // 8,))
-                        dst.store(src.load().to(cutlass.Float32).to(cd))
-                else:
-                    dst.store(cute.zeros_like(dst.load()))
+        nope_cols = D_NOPE // 8  # 64 pieces per row: thread t keeps column t % 64, rows t // 64 + 4 k
+        rope_cols = D_ROPE // 8  # 8 pieces per row: column t % 8, rows t // 8 + 32 k
+        pieces = cute.make_rmem_tensor(cute.make_layout((8, Q_NOPE_PIECES + Q_ROPE_PIECES)), mQn.element_type)
+        for k in cutlass.range_constexpr(Q_NOPE_PIECES + Q_ROPE_PIECES):
+            nope = k < Q_NOPE_PIECES
+            if cutlass.const_expr(nope):
+                row = ctid // nope_cols + (256 // nope_cols) * k
+            else:
+                row = ctid // rope_cols + (256 // rope_cols) * (k - Q_NOPE_PIECES)
+            r = cutlass.min(mblk * BLOCK_M + row, rows - 1)
+            tok = b * QL + r // H
+            h = r % H
+            if cutlass.const_expr(nope):
+                src = cute.local_tile(mQn[(tok, h, None)], (8,), (ctid % nope_cols,))
+            else:
+                src = cute.local_tile(mQp[(tok, h, None)], (8,), (ctid % rope_cols,))
+            pieces[(None, k)].store(src.load())
+        for k in cutlass.range_constexpr(Q_NOPE_PIECES + Q_ROPE_PIECES):
+            nope = k < Q_NOPE_PIECES
+            if cutlass.const_expr(nope):
+                row = ctid // nope_cols + (256 // nope_cols) * k
+                dst = cute.local_tile(sQ[(row, None, 0)], (8,), (ctid % nope_cols,))
+            else:
+                row = ctid // rope_cols + (256 // rope_cols) * (k - Q_NOPE_PIECES)
+                dst = cute.local_tile(sQ[(row, None, 0)], (8,), (nope_cols + ctid % rope_cols,))
+            if mblk * BLOCK_M + row < rows:
+                dst.store(pieces[(None, k)].load().to(cutlass.Float32).to(cd))
+            else:
+                dst.store(cute.zeros_like(dst.load()))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumer_barrier()
 
