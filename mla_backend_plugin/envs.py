@@ -131,7 +131,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
            "one's softmax under the other's wgmma), `lockstep` (both on every tile; the v3 kernel, for "
            "comparisons) or `seesaw32` (the seesaw's order on the two 32-key halves of each tile, so the next tile "
-           "loads meanwhile; not yet run on a GPU).", kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
+           "loads meanwhile: 3-7% faster where a CTA runs 8-32 tiles, e.g. batch 8-32 at 4k-8k tokens, q_len 1; "
+           "slower with fewer or many more tiles per CTA and at q_len 2; benchmarks/NOTES.md, session 21).",
+           kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
            "chunks), `shares` (requests split where the boundaries of equal shares of the step's KV tiles cross "
