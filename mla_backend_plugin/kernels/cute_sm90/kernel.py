@@ -255,7 +255,6 @@ class Sm90MlaDecode:
 
     @cute.jit
     def produce_tma(self, kv_producer, tma_atom, tma_tensor, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles):
-        bs = self.v.block_size
         rb = self.box_rows
         # smem: (rb, 64, 64 / rb, 9, stages); gmem: (rb, 64, bs / rb, 9, num_blocks)
         s_boxes = cute.flat_divide(sKV, (rb, 64))
@@ -264,21 +263,46 @@ class Sm90MlaDecode:
                                          cute.group_modes(g_boxes, 0, 2))
         num_blocks = mKV.shape[0]
         for j in cutlass.range(n_tiles, unroll=1):
-            handle = kv_producer.acquire_and_advance()
             tile_start = kv_start + j * BLOCK_N
-            # a dynamic loop over the page slices: unrolled, 16-token pages keep 4 page ids and their
-            # coordinates live and spill in the producer's 24 registers
-            for p in cutlass.range(BLOCK_N // rb, unroll=1):
+            first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
+            handle = kv_producer.acquire_and_advance()
+            self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, handle.index,
+                          handle.barrier, 0, K_CHUNKS)
+
+    @cute.jit
+    def page_of(self, mBT, b, tok, kv_end, num_blocks):
+        """The cache block of request ``b`` holding token ``tok``; past the split's end an out-of-range block,
+        which TMA fills with zeros, so no stale or garbage block-table entry is ever dereferenced.
+
+        The three producers (lock step, seesaw, fp8 design B) read a tile's first page id before they wait for
+        its stage, so the load's round trip overlaps the wait; measured neutral (session 21: the producer runs
+        far enough ahead that the refills never waited on it), kept as the one page walk all producers share."""
+        page = num_blocks
+        if tok < kv_end:
+            page = mBT[b, tok // self.v.block_size]
+        return page
+
+    @cute.jit
+    def tma_tile(self, tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, stage, bar,
+                 c0: cutlass.Constexpr, c1: cutlass.Constexpr):
+        """Chunks [c0, c1) of the 64-key tile at ``tile_start`` into ``stage``, page slice by page slice (one
+        slice when a page holds the whole tile); ``first_page`` is the first slice's, read ahead (page_of).
+        A dynamic loop over the other slices: unrolled, 16-token pages keep 4 page ids and their coordinates
+        live and spill in the producer's 24 registers."""
+        rb = self.box_rows
+        self.tma_slice(tma_atom, tKg, tKs, first_page, tile_start, 0, stage, bar, c0, c1)
+        if cutlass.const_expr(BLOCK_N // rb > 1):
+            for p in cutlass.range(1, BLOCK_N // rb, unroll=1):
                 tok = tile_start + p * rb
-                # a page slice past the split's end is fetched from an out-of-range page: TMA fills it with
-                # zeros, so no stale or garbage block-table entry is ever dereferenced
-                page = num_blocks
-                if tok < kv_end:
-                    page = mBT[b, tok // bs]
-                row_box = (tok % bs) // rb
-                for c in cutlass.range_constexpr(K_CHUNKS):
-                    cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, handle.index)],
-                              tma_bar_ptr=handle.barrier)
+                self.tma_slice(tma_atom, tKg, tKs, self.page_of(mBT, b, tok, kv_end, num_blocks), tok, p, stage,
+                               bar, c0, c1)
+
+    @cute.jit
+    def tma_slice(self, tma_atom, tKg, tKs, page, tok, p, stage, bar, c0: cutlass.Constexpr,
+                  c1: cutlass.Constexpr):
+        row_box = (tok % self.v.block_size) // self.box_rows
+        for c in cutlass.range_constexpr(c0, c1):
+            cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar)
 
     @cute.jit
     def produce_fp8(self, kv_producer, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx):

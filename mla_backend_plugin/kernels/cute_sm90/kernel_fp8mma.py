@@ -230,22 +230,13 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     @cute.jit
     def issue_tma(self, tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j):
         """Warp 0: wait until stage j % 2 is free, then load tile j (64 keys) into it, page slice by slice."""
-        bs = self.v.block_size
-        rb = self.box_rows
-        s = j % STAGES
+        tile_start = kv_start + j * BLOCK_N
+        first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
         rings.empty_k.wait_released(j)
         with cute.arch.elect_one():
             rings.full_k.arrive_expect_tx(j, K_STAGE_BYTES)
-        tile_start = kv_start + j * BLOCK_N
-        for p in cutlass.range(BLOCK_N // rb, unroll=1):
-            tok = tile_start + p * rb
-            page = num_blocks  # past the split's end: an out-of-range page, TMA fills zeros
-            if tok < kv_end:
-                page = mBT[b, tok // bs]
-            row_box = (tok % bs) // rb
-            for c in cutlass.range_constexpr(K_CHUNKS):
-                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, s)],
-                          tma_bar_ptr=rings.full_k.slot(j))
+        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, j % STAGES,
+                      rings.full_k.slot(j), 0, K_CHUNKS)
 
     @cute.jit
     def produce_b(self, tma_atom, tma_tensor, sK, sVt, rings, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,

@@ -221,24 +221,14 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
     def load_half(self, tma_atom, tKg, tKs, full, empty, mBT, num_blocks, b, kv_start, kv_end, tile, use,
                   stage: cutlass.Constexpr, half: cutlass.Constexpr):
         """Half ``half`` of tile ``tile`` into ``stage`` once the consumers released the previous pair's."""
-        bs = self.v.block_size
-        rb = self.box_rows
         c0, c1 = HALF_CHUNKS[half]
+        tile_start = kv_start + tile * BLOCK_N
+        first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
         empty.wait_released(use)
         with cute.arch.elect_one():
             full.arrive_expect_tx(use, (c1 - c0) * self.chunk_bytes)
-        tile_start = kv_start + tile * BLOCK_N
-        for p in cutlass.range(BLOCK_N // rb, unroll=1):
-            tok = tile_start + p * rb
-            # past the split's end (its last partial page slice's tail excepted): an out-of-range page, which
-            # TMA fills with zeros, so no stale block-table entry is dereferenced
-            page = num_blocks
-            if tok < kv_end:
-                page = mBT[b, tok // bs]
-            row_box = (tok % bs) // rb
-            for c in cutlass.range_constexpr(c0, c1):
-                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)],
-                          tma_bar_ptr=full.slot(use))
+        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, stage, full.slot(use),
+                      c0, c1)
 
     @cute.jit
     def issue_qk_half(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage: cutlass.Constexpr,
