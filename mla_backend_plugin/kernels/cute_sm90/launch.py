@@ -228,10 +228,11 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     SMs): at B=1 only 32 of the 66 slots. Such a config gets min(W // batch, the workspace's split capacity) instead
     (B=1: 64), so a one-request step fills the GPU: B=1 S=32k fp8 42.6 -> 30.8 us, bf16 51.2 -> 44.7
     (benchmarks/NOTES.md, session 20). The grid stays within one wave (at most W items), so the fused combine still
-    serves it; the cap of 64 at B=2 (128 items, a second wave and the separate combine) cost 6-33% there."""
+    serves it; the cap of 64 at B=2 (a grid bound of B + W - 1 = 67 items: 134 CTAs on 132 SMs, so the separate
+    combine) cost 6-33% there. W comes from the memoised plan (launch checks the plan it runs with plan_for)."""
     if config.max_splits is not None or not config.balanced:
         return config
-    work = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config).work_target
+    work = workspace.plan(args.batch, args.q_len, True, BLOCK_M, device_plan=config.device_plan).work_target
     cap = min(workspace.split_capacity, work // args.batch)
     return _with_split_cap(config, cap) if cap > workspace.max_splits else config
 
