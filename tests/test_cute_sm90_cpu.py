@@ -585,28 +585,35 @@ def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
     assert layer(a8, StepPlans()) == ["plan", "split"]  # the next step
 
 
-@pytest.mark.parametrize("heads,q_len,batch,capacity,want", [
-    (128, 1, 1, 64, 64),  # W = 66: the default 32 would leave half of the wave idle
-    (128, 1, 2, 64, 33),  # W // 2
-    (128, 1, 3, 64, None),  # 3 x 32 >= W: the default
-    (128, 2, 1, 64, 33),  # 4 m-blocks: W = 33
-    (16, 1, 2, 64, 64),  # 1 m-block: W = 132, capped by the capacity
-    (128, 1, 1, 32, None),  # a workspace made for 32 splits keeps 32
+@pytest.mark.parametrize("heads,q_len,batch,capacity,want,want_long", [
+    (128, 1, 1, 64, 64, None),  # W = 66: the default 32 would leave half of the wave idle
+    (128, 1, 2, 64, 33, None),  # W // 2; 2 x 33 < B + W - 1: a long cap would grow the grid
+    (128, 1, 3, 64, None, 64),  # 3 x 32 >= W: the default, and the long cap (the grid is B + W - 1 either way)
+    (128, 1, 8, 64, None, 64),
+    (128, 2, 1, 64, 33, 64),  # 4 m-blocks: W = 33 (B x 33 = B + W - 1: the long cap, never binding for B=1)
+    (16, 1, 2, 64, 64, None),  # 1 m-block: W = 132, capped by the capacity
+    (128, 1, 1, 32, None, None),  # a workspace made for 32 splits keeps 32
+    (128, 1, 8, 32, None, None),
 ])
-def test_a_config_without_a_split_cap_fills_one_wave(heads, q_len, batch, capacity, want):
+def test_a_config_without_a_split_cap_fills_one_wave(heads, q_len, batch, capacity, want, want_long):
     """cute_sm90 raises the default split cap to W // batch within the workspace's split capacity, so a B=1 step
     fills the wave (benchmarks/NOTES.md, session 20); the grid stays within W items per m-block, so the fused
-    combine still serves it; a config with its own cap keeps it."""
+    combine still serves it; a config with its own cap keeps it. Where batch x cap >= B + W - 1 it also gets the
+    capacity as its long cap (ops/workspace.py balanced_schedule), which leaves the grid as it was."""
     from mla_backend_plugin.ops import MLAWorkspace
 
-    ws = MLAWorkspace("cpu", max_batch=4, max_q_len=2, num_heads=heads, num_sms=132, rows_per_cta=config.BLOCK_M,
+    ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=heads, num_sms=132, rows_per_cta=config.BLOCK_M,
                       split_capacity=capacity)
     args = _args(heads=heads, q_len=q_len, batch=batch)
     cfg = launch.default_config(args, (9, 0))
     got = launch.wave_filling_config(args, ws, cfg)
-    assert got.max_splits == want and (got is cfg) == (want is None)
+    assert got.max_splits == want and got.long_splits == want_long
+    assert (got is cfg) == (want is None and want_long is None)
     plan = ws.plan_for(args, PlanTile(config.BLOCK_M, config.BLOCK_N), got)
-    assert plan.num_splits == (want or ws.max_splits)
+    assert plan.num_splits == (want or ws.max_splits) and plan.long_splits == (want_long or 0)
     if want is not None:  # a raised cap never takes the grid past one wave (the fused combine's condition)
         assert plan.grid_items <= plan.work_target
+    tile = PlanTile(config.BLOCK_M, config.BLOCK_N)
+    without_long = ws.plan_for(args, tile, dataclasses.replace(got, long_splits=None))
+    assert plan.grid_items == without_long.grid_items
     assert launch.wave_filling_config(args, ws, dataclasses.replace(cfg, max_splits=16)).max_splits == 16

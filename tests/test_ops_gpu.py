@@ -34,7 +34,8 @@ from mla_backend_plugin import envs
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, WORK_ITEM_INTS
-from mla_backend_plugin.ops.workspace import BalancedSchedule, ShareSchedule, step_schedule
+from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
+from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, BalancedSchedule, ShareSchedule, step_schedule
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,
@@ -311,21 +312,28 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
         assert sched.splits[batch // 2] > 1, sched.splits
 
 
-def _check_balanced_split_list(inp, lens, q_len, heads):
-    """Runs ``inp`` on a fresh workspace against the reference; for cute_sm90 also checks that the split list the
+def _check_balanced_split_list(inp, lens, q_len, heads, split_capacity=None):
+    """Runs ``inp`` on a fresh workspace (room for ``split_capacity`` splits per request; the serving backends
+    make theirs with SPLIT_CAPACITY) against the reference; for cute_sm90 also checks that the split list the
     kernel wrote for the combine and its step table are exactly the reference's (ops/workspace.py
-    ``step_schedule`` under CUTE_MLA_SM90_PLAN): returns (schedule, plan)."""
+    ``step_schedule`` under CUTE_MLA_SM90_PLAN, with the caps cute_sm90's launch gives the default config):
+    returns (schedule, plan)."""
+    from types import SimpleNamespace
+
+    from mla_backend_plugin.kernels.cute_sm90 import launch as cute_launch
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M as CUTE_BLOCK_M
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
 
     batch = len(lens)
-    ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads)
+    ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads, split_capacity=split_capacity)
     ws.split_index.fill_(-7)
     _check(inp, workspace=ws)
     if KERNEL != "cute_sm90":
         return None, None  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
     mode = envs.CUTE_MLA_SM90_PLAN  # the whole file may run under any (docs/STATUS.md)
-    plan = ws.plan(batch, q_len, balanced=True, rows_per_cta=CUTE_BLOCK_M, device_plan=mode)
+    shape = SimpleNamespace(batch=batch, q_len=q_len)
+    config = cute_launch.wave_filling_config(shape, ws, LaunchConfig(split_plan=mode))
+    plan = ws.plan_for(shape, PlanTile(CUTE_BLOCK_M, CUTE_BLOCK_N), config)
     sched = step_schedule(lens, CUTE_BLOCK_N, plan, mode)
     if isinstance(sched, ShareSchedule):
         return _check_share_table(ws, lens, plan, sched), plan
@@ -393,6 +401,31 @@ def test_share_plan_splits_at_share_boundaries(kv_kind, q_form, q_len, monkeypat
         assert len(sched.split_requests) >= 1 and len(sched.pieces) > batch
         if batch == 70:  # short requests split at a share boundary, not only the long one
             assert len(sched.split_requests) > 1
+
+
+@pytest.mark.parametrize("kv_kind,q_form,q_len", [("bf16", "pair", 1), ("fp8", "fp8", 1), ("fp8", "pair", 1),
+                                                  ("bf16", "pair", 2)])
+def test_long_request_takes_the_long_cap(kv_kind, q_form, q_len):
+    """The benchmark's one-long cell at B=8 (one ~32k request among ~1k ones, one of length 1) on a serving
+    workspace (split capacity 64): on a 132-SM H100 at q_len 1 the long request takes more than the default cap of
+    32 items (52 of 10 tiles, ops/workspace.py balanced_schedule's long cap) and the combine kernel merges more
+    splits than its block of LSEs (two rounds). Correct output in every design (bf16 seesaw, fp8 q design B, bf16 q
+    on an fp8 cache: design B at B=8; q_len 2: 4 m-blocks, W = 33, the cap does not bind), and the table the plan
+    kernel wrote is the reference's."""
+    if KERNEL != "cute_sm90":
+        pytest.skip("the long cap is cute_sm90's")
+    heads, bs, batch = 128, 64, 8
+    seed = _seed("long-cap", kv_kind, q_form, q_len)
+    lens = [32768 - 37] + [1000 + 29 * i for i in range(batch - 1)]
+    lens[5] = 1
+    fp8 = kv_kind == "fp8"
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed,
+                             q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None,
+                             poison=_poison(seed))
+    sched, plan = _check_balanced_split_list(inp, lens, q_len, heads, split_capacity=SPLIT_CAPACITY)
+    assert plan.long_splits == SPLIT_CAPACITY
+    if isinstance(sched, BalancedSchedule) and plan.work_target == 66:  # 132 SMs at q_len 1: what this is for
+        assert sched.splits[0] > plan.num_splits, sched.splits
 
 
 @pytest.mark.parametrize("kv_kind,q_form,q_len", [("bf16", "pair", 1), ("fp8", "fp8", 1), ("fp8", "fp8", 2)])

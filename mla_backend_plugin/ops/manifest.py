@@ -55,6 +55,9 @@ class LaunchConfig:
     # split-KV work is spread (ops/workspace.py)
     split_plan: str = "balanced"
     max_splits: int | None = None  # cap on splits per request; None = the workspace's
+    # balanced plan: the cap for a request the max_splits cap would leave as the step's critical path (its items
+    # over 1.5x the plan's tiles per item: ops/workspace.py balanced_schedule); None = max_splits for all
+    long_splits: int | None = None
     min_chunk: int | None = None  # tokens; the smallest chunk a request is split into; None = the workspace's
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)
     fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant"
@@ -67,6 +70,8 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig: fp8_design {self.fp8_design!r}; allowed: {', '.join(FP8_DESIGNS)}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
+        if self.long_splits is not None and not 1 <= self.long_splits <= 64:
+            raise ValueError(f"LaunchConfig: long_splits must be in 1..64, got {self.long_splits}")
 
     @property
     def balanced(self) -> bool:
@@ -95,6 +100,8 @@ class LaunchConfig:
         parts = [self.split_plan]
         if self.max_splits is not None:
             parts.append(f"splits<={self.max_splits}")
+        if self.long_splits is not None:
+            parts.append(f"long<={self.long_splits}")
         if self.min_chunk is not None:
             parts.append(f"chunk>={self.min_chunk}")
         if self.fp8_design:

@@ -71,6 +71,9 @@ class SplitPlan:
     # boundaries of W equal shares of the step's tiles) or "auto" (``step_schedule``: shares when
     # ``prefers_shares``)
     device_plan: str = "balanced"
+    # balanced plans: the cap of a request whose items at ``num_splits`` would be the step's critical path
+    # (``balanced_schedule``); 0 = ``num_splits`` for every request
+    long_splits: int = 0
 
     @property
     def has_combine(self) -> bool:
@@ -79,7 +82,7 @@ class SplitPlan:
 
 def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_sms: int,
                 max_splits: int = MAX_SPLITS, min_chunk: int = MIN_CHUNK_TOKENS,
-                balanced: bool = False, device_plan: str = "balanced") -> SplitPlan:
+                balanced: bool = False, device_plan: str = "balanced", long_splits: int = 0) -> SplitPlan:
     """Host half of split planning: depends only on shapes known at graph-capture time.
 
     Uniform (default): ``num_splits`` is the grid's z size, 1 once ``batch * m_blocks`` CTAs fill the GPU.
@@ -95,6 +98,8 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     so max_slots = min(W + J_max - 1, batch * max_splits): no more than the uniform plan's worst case.
 
     ``device_plan`` "shares" / "auto" (``balanced=True``): the same numbers, which bound ``share_schedule`` too.
+    ``long_splits`` (balanced, > max_splits): a long request's cap (``balanced_schedule``); the bounds above then
+    hold with max_splits = long_splits.
     """
     if device_plan not in DEVICE_PLANS:
         raise ValueError(f"plan_splits: device_plan {device_plan!r}; allowed: {', '.join(DEVICE_PLANS)}")
@@ -105,6 +110,9 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     if shares and max_splits < 2:
         raise ValueError(f"plan_splits: the share plan splits requests at share boundaries: max_splits must "
                          f"be >= 2, got {max_splits}")
+    if long_splits and not (balanced and max_splits <= long_splits <= SPLIT_CAPACITY):
+        raise ValueError(f"plan_splits: long_splits must be 0 or in max_splits..{SPLIT_CAPACITY} with "
+                         f"balanced=True, got {long_splits} (max_splits {max_splits}, balanced {balanced})")
     m_blocks = -(-(q_len * num_heads) // rows_per_cta)
     ctas = batch * m_blocks
     want = TARGET_CTAS_PER_SM * num_sms
@@ -112,9 +120,11 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
         splits = 1 if ctas >= want else min(max_splits, -(-want // ctas))
         return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, splits), min_chunk=min_chunk)
     work = max(1, -(-want // m_blocks))
-    j_max = 0 if max_splits <= 1 else min(batch, work - 1)
-    slots = 0 if j_max == 0 else min(work + j_max - 1, batch * max_splits)
-    items = batch if j_max == 0 else min(batch + work - 1, batch * max_splits)
+    long_splits = long_splits if long_splits > max_splits else 0
+    most_splits = long_splits or max_splits
+    j_max = 0 if most_splits <= 1 else min(batch, work - 1)
+    slots = 0 if j_max == 0 else min(work + j_max - 1, batch * most_splits)
+    items = batch if j_max == 0 else min(batch + work - 1, batch * most_splits)
     rows = q_len * num_heads
     # Enough combine CTAs for ~2 waves of small CTAs; when most of its CTAs exit at once (large batch, no long
     # request), fewer, wider CTAs keep that cheap.
@@ -135,7 +145,7 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     return SplitPlan(rows_per_cta=rows_per_cta, num_splits=max(1, max_splits), min_chunk=min_chunk, balanced=True,
                      work_target=work, grid_items=items, max_split_requests=j_max, max_slots=slots,
                      combine_rows=combine_rows, combine_col_blocks=combine_col_blocks,
-                     combine_split_block=combine_split_block, device_plan=device_plan)
+                     combine_split_block=combine_split_block, device_plan=device_plan, long_splits=long_splits)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -178,7 +188,8 @@ class BalancedSchedule:
         return sorted(range(len(self.items)), key=lambda w: (-self.item_tiles(w), w))
 
 
-def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, max_splits: int) -> BalancedSchedule:
+def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, max_splits: int,
+                      long_splits: int = 0) -> BalancedSchedule:
     """The balanced device plan, the Python reference every kernel must agree with bit for bit.
 
     All integer arithmetic, with cdiv(a, b) = (a + b - 1) // b, over the B entries of seq_lens::
@@ -186,7 +197,8 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
         tiles_b = max(cdiv(seq_len_b, BLOCK_N), 1)          # a padded request (seq_len 0) counts 1 tile
         T       = sum_b tiles_b
         p       = max(cdiv(MIN_CHUNK, BLOCK_N), cdiv(T, W))  # tiles per work item; W = plan.work_target
-        n_b(p)  = min(cdiv(tiles_b, p), NUM_SPLITS)          # NUM_SPLITS = plan.num_splits (the cap)
+        n_b(p)  = min(cdiv(tiles_b, p), cap_b(p))            # NUM_SPLITS = plan.num_splits (the cap)
+        cap_b(p) = LONG_SPLITS if tiles_b > NUM_SPLITS (3 p // 2) else NUM_SPLITS   # LONG = plan.long_splits
         ct_b(p) = cdiv(tiles_b, n_b(p));  n_b(p) = cdiv(tiles_b, ct_b(p))   # equal chunks, no empty last one
         I(p)    = sum_b n_b(p)                                # work items (non-increasing in p)
         if B < W and 2 * min_b tiles_b >= p and B * cdiv(max_b tiles_b, p) > W and I(p) > W:   # one wave
@@ -205,6 +217,13 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     search by 1.5 p from the start costs a batch whose answer would be refused one pass instead of a bisection.
     The third condition, an upper bound of I(p) (exact for a uniform batch), spares most batches the pass that
     counts I(p).
+
+    The long cap (``long_splits`` > NUM_SPLITS; 0 = none): a request whose items at the cap would hold more than
+    1.5 p tiles (cdiv(tiles_b, NUM_SPLITS) > 3 p // 2, one multiply on the device) is the step's critical path
+    while every other item holds about p (one 32k request among 1k ones at B=8: 32 items of 16 tiles, the rest
+    8), so it may take up to LONG_SPLITS items (52 of 10). Only such a request: raising the cap for every request
+    cost 4-9% where it moved p by one tile and added partials (benchmarks/NOTES.md, session 21). cap_b is
+    non-increasing in p, so I(p) stays non-increasing and the bisection holds.
 
     Request b is *split* iff n_b > 1. Work items (the grid's second axis, w = program id 1; the first axis is
     the m-block so both halves of a request run side by side) come in this order: first every item of the
@@ -225,7 +244,8 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     p = max(_cdiv(min_chunk, block_n), _cdiv(total, w))
 
     def request_chunks(t: int, per_work: int) -> tuple[int, int]:  # (n_b, ct_b)
-        ct = _cdiv(t, min(_cdiv(t, per_work), max_splits))
+        cap = long_splits if long_splits > max_splits and t > max_splits * (3 * per_work // 2) else max_splits
+        ct = _cdiv(t, min(_cdiv(t, per_work), cap))
         return _cdiv(t, ct), ct
 
     def num_items(per_work: int) -> int:
@@ -357,7 +377,8 @@ def step_schedule(seq_lens, block_n: int, plan: SplitPlan, split_plan: str):
     ``slot_base`` and ``splits``)."""
     if split_plan == "shares":
         return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
-    sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
+    sched = balanced_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits,
+                              plan.long_splits)
     if split_plan == "auto" and prefers_shares(sched, plan.work_target):
         return share_schedule(seq_lens, block_n, plan.min_chunk, plan.work_target, plan.num_splits)
     return sched
@@ -557,31 +578,38 @@ class MLAWorkspace:
 
     def plan(self, batch: int, q_len: int, balanced: bool = False, rows_per_cta: int | None = None,
              max_splits: int | None = None, min_chunk: int | None = None,
-             device_plan: str = "balanced") -> SplitPlan:
+             device_plan: str = "balanced", long_splits: int | None = None) -> SplitPlan:
         """The split plan of a call (memoised): ``rows_per_cta`` is the launching kernel's tile (may be omitted
-        for a single-tile workspace), ``max_splits`` / ``min_chunk`` default to the workspace's."""
+        for a single-tile workspace), ``max_splits`` / ``min_chunk`` default to the workspace's, ``long_splits``
+        to none."""
         rows_per_cta = self.rows_per_cta if rows_per_cta is None else rows_per_cta
         max_splits = self.max_splits if max_splits is None else max_splits
         min_chunk = self.min_chunk if min_chunk is None else min_chunk
-        key = (batch, q_len, balanced, rows_per_cta, max_splits, min_chunk, device_plan)
+        long_splits = long_splits or 0
+        key = (batch, q_len, balanced, rows_per_cta, max_splits, min_chunk, device_plan, long_splits)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_splits(batch, q_len, self.num_heads, rows_per_cta, self.num_sms, max_splits, min_chunk,
-                               balanced=balanced, device_plan=device_plan)
+                               balanced=balanced, device_plan=device_plan, long_splits=long_splits)
             self._plans[key] = plan
         return plan
 
     def refusal(self, batch: int, q_len: int, tile, config) -> str | None:
         """None when a kernel with ``tile`` (PlanTile) can run ``batch`` x ``q_len`` under ``config``
         (LaunchConfig) in this workspace's buffers, else why not (no allocation, no device work)."""
-        if config.max_splits is not None and config.max_splits > self.split_capacity:
-            return (f"config: max_splits={config.max_splits} exceeds the workspace's split capacity "
-                    f"{self.split_capacity}")
+        for name in ("max_splits", "long_splits"):
+            cap = getattr(config, name)
+            if cap is not None and cap > self.split_capacity:
+                return f"config: {name}={cap} exceeds the workspace's split capacity {self.split_capacity}"
+        if config.long_splits is not None and (not config.balanced
+                                               or config.long_splits < (config.max_splits or self.max_splits)):
+            return (f"config: long_splits={config.long_splits} needs a balanced split plan and long_splits >= "
+                    f"max_splits ({config.max_splits or self.max_splits})")
         if config.split_plan in ("shares", "auto") and (config.max_splits or self.max_splits) < 2:
             return (f"config: split_plan={config.split_plan!r} needs max_splits >= 2 (it splits requests at share "
                     "boundaries)")
         plan = self.plan(batch, q_len, config.balanced, tile.rows_per_cta, config.max_splits, config.min_chunk,
-                         config.device_plan)
+                         config.device_plan, config.long_splits)
         rows = q_len * self.num_heads
         need = (plan.max_slots * rows if plan.balanced else
                 (batch * rows * plan.num_splits if plan.num_splits > 1 else 0))
@@ -600,7 +628,7 @@ class MLAWorkspace:
         if why is not None:
             raise ValueError(f"mla_decode: {why}")
         return self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
-                         config.min_chunk, config.device_plan)
+                         config.min_chunk, config.device_plan, config.long_splits)
 
     def partials_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The partial outputs as rows of ``dtype`` (float32, or a 16-bit output dtype: the same bytes hold

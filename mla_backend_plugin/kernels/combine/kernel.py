@@ -76,6 +76,20 @@ def combine_uniform_kernel(
 
 
 @triton.jit
+def _load_round(part_o_ptr, part_lse_ptr, slot0, s0, n_splits, rows, offs_b, offs_d,
+                Q_LEN: tl.constexpr, NUM_HEADS: tl.constexpr, D_NOPE: tl.constexpr):
+    """Splits [s0, s0 + SPLIT_BLOCK) of one request's partials: their LSEs (ROWS, SPLIT_BLOCK) and O columns
+    (ROWS, SPLIT_BLOCK, D_BLOCK); the slots past n_b load -inf and 0 (never the workspace's stale values), so they
+    weigh 0. part = (S_b + split) * Q_LEN * H + row."""
+    b_ok = s0 + offs_b < n_splits
+    row_part = (slot0 + s0 + offs_b[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
+    lse = tl.load(part_lse_ptr + row_part, mask=b_ok[None, :], other=float("-inf"))
+    o = tl.load(part_o_ptr + row_part[:, :, None] * D_NOPE + offs_d[None, None, :], mask=b_ok[None, :, None],
+                other=0.0).to(tl.float32)
+    return lse, o
+
+
+@triton.jit
 def combine_balanced_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr, kv_scale_ptr, kv_scale_val,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
@@ -87,7 +101,8 @@ def combine_balanced_kernel(
     [c * D_BLOCK, (c + 1) * D_BLOCK) of ROWS rows of the j-th split request, whose (b, S_b, n_b) the split kernel
     wrote to split_index[1 + 3 j:] (split_index[0] = J). SPLIT_BLOCK partials are loaded per iteration as one
     (ROWS, SPLIT_BLOCK, D_BLOCK) tile: at small batches a CTA merges all of its splits with one round of
-    independent loads instead of a chain of n_b dependent ones (one L2 latency each)."""
+    independent loads instead of a chain of n_b dependent ones (one L2 latency each). SPLITS_P2 covers the most
+    splits the plan gives a request (its long cap when it has one: ops/workspace.py balanced_schedule)."""
     if USE_PDL:
         gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
     j = tl.program_id(1)
@@ -105,25 +120,24 @@ def combine_balanced_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the grid covers Q_LEN * H exactly
     offs_s = tl.arange(0, SPLITS_P2)
     s_ok = offs_s < n_splits
-    # part = (S_b + split) * Q_LEN * H + row
     part = (slot0 + offs_s[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
     lse_s = tl.load(part_lse_ptr + part, mask=s_ok[None, :], other=float("-inf"))
+    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    offs_b = tl.arange(0, SPLIT_BLOCK)
+    # the first round's partials are loaded before the LSEs are reduced (a reduction across warps is a barrier
+    # the loads would otherwise wait behind): a request of at most SPLIT_BLOCK splits costs one load latency
+    lse_r, o = _load_round(part_o_ptr, part_lse_ptr, slot0, 0, n_splits, rows, offs_b, offs_d, Q_LEN, NUM_HEADS,
+                           D_NOPE)
     lse_max = tl.max(lse_s, axis=1)
     lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.where(s_ok[None, :], tl.exp2(lse_s - lse_use[:, None]), 0.0)
     w_sum = tl.sum(w, axis=1)
-    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
-    offs_b = tl.arange(0, SPLIT_BLOCK)
-    acc = tl.zeros([ROWS, D_BLOCK], dtype=tl.float32)
-    for s0 in range(0, n_splits, SPLIT_BLOCK):
-        b_ok = s0 + offs_b < n_splits
-        row_part = (slot0 + s0 + offs_b[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
-        # each split's weight from its own LSE (L1 hits), not picked out of ``w`` with a cross-warp sum; the
-        # slots past n_b weigh 0 and load 0 (never the workspace's stale values)
-        w_s = tl.exp2(tl.load(part_lse_ptr + row_part, mask=b_ok[None, :], other=float("-inf")) - lse_use[:, None])
-        o = tl.load(part_o_ptr + row_part[:, :, None] * D_NOPE + offs_d[None, None, :], mask=b_ok[None, :, None],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w_s[:, :, None] * o, axis=1)
+    # each split's weight from its own LSE (L1 hits), not picked out of ``w`` with a cross-warp sum
+    acc = tl.sum(tl.exp2(lse_r - lse_use[:, None])[:, :, None] * o, axis=1)
+    for s0 in range(SPLIT_BLOCK, n_splits, SPLIT_BLOCK):
+        lse_r, o = _load_round(part_o_ptr, part_lse_ptr, slot0, s0, n_splits, rows, offs_b, offs_d, Q_LEN,
+                               NUM_HEADS, D_NOPE)
+        acc += tl.sum(tl.exp2(lse_r - lse_use[:, None])[:, :, None] * o, axis=1)
     inv = tl.where(w_sum > 0.0, kv_scale / w_sum, 0.0)
     tok = b * Q_LEN + rows // NUM_HEADS
     h = rows % NUM_HEADS
@@ -167,8 +181,9 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
             out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
-            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-            D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block, num_warps=4, **extra,
+            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.long_splits or plan.num_splits),
+            USE_PDL=use_pdl, D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block,
+            num_warps=4, **extra,
         )
         return
     combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](

@@ -51,11 +51,12 @@ class BalancedScheduler:
 
     @cute.jit
     def plan_item_and_totals(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, w, mblk, tidx, num_splits,
-                             min_chunk, work_target, per_work=None):
+                             min_chunk, work_target, per_work=None, long_splits=None):
         """``plan_item``'s tuple, then the schedule's p (tiles per item) and NS (partial slots). ``per_work``: p
-        when the caller has it (the auto plan), else derived here."""
+        when the caller has it (the auto plan), else derived here; ``long_splits``: the plan's long cap (None:
+        none, as for a zero SplitPlan.long_splits)."""
         b1, split, n_splits, chunk, j, num_split, per_work, num_slots = self.work_item(
-            mSeq, w, num_splits, min_chunk, work_target, per_work)
+            mSeq, w, num_splits, min_chunk, work_target, per_work, long_splits)
         if tidx == 0 and mblk == 0:
             if w == 0:
                 mSplitIndex[0] = num_split
@@ -72,23 +73,23 @@ class BalancedScheduler:
 
     @cute.jit
     def write_item(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, w, lane, num_splits,
-                   min_chunk, work_target, per_work=None):
+                   min_chunk, work_target, per_work=None, long_splits=None):
         """Work item w as ``plan_item`` derives it (the split list too) and w itself (its partial slot), stored
         by lane 0 in the order ``read_item`` loads it at the item's rank in the longest-first launch order
         (``launch_rank``); items past the schedule's end store b1 = 0 at their own index (the ranks of the
         schedule's N items are 0..N-1)."""
         b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, per_work, num_slots = self.plan_item_and_totals(
-            mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target, per_work)
+            mSeq, mSplitIndex, w, 0, lane, num_splits, min_chunk, work_target, per_work, long_splits)
         rank = w
         if b1 > 0:  # warp-uniform
-            rank = self.launch_rank(mSeq, w, cutlass.max(n_tiles, 1), per_work, num_splits, num_slots)
+            rank = self.launch_rank(mSeq, w, cutlass.max(n_tiles, 1), per_work, num_splits, num_slots, long_splits)
         if lane == 0:
             item = (b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, w)
             for i in cutlass.range_constexpr(len(item)):
                 mWork[rank * WORK_ITEM_INTS + i] = item[i]
 
     @cute.jit
-    def launch_rank(self, mSeq: cute.Tensor, w, key, per_work, num_splits, num_slots):
+    def launch_rank(self, mSeq: cute.Tensor, w, key, per_work, num_splits, num_slots, long_splits=None):
         """Position of item w, of ``key`` tiles, in the launch order (ops/workspace.py
         ``BalancedSchedule.longest_first``): the items with more tiles, plus those with as many and a smaller
         index. Request b's n_b items start at index f_b (S_b when split, else NS + #unsplit requests before b)
@@ -101,7 +102,7 @@ class BalancedScheduler:
         splits_so_far = cutlass.Int32(0)
         for base in cutlass.range(0, batch, 128, unroll=1):
             n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
-                mSeq, base, batch, per_work, num_splits, lane)
+                mSeq, base, batch, per_work, num_splits, lane, long_splits)
             for u in cutlass.range_constexpr(4):
                 b = base + 4 * lane + u
                 if n[u] > 0:  # inside the batch
@@ -133,7 +134,7 @@ class BalancedScheduler:
         return item[0], item[1], item[2], item[3], item[4], item[5], item[6], item[7], item[8]
 
     @cute.jit
-    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target, per_work=None):
+    def work_item(self, mSeq: cute.Tensor, w, num_splits, min_chunk, work_target, per_work=None, long_splits=None):
         """Work item w of the balanced plan -> (request + 1, or 0 past the schedule's end; split; splits of the
         request; its chunk in tokens; its index j among split requests; J, the number of split requests; p, the
         tiles per item; NS, the partial slots).
@@ -146,7 +147,7 @@ class BalancedScheduler:
         batch = mSeq.shape[0]
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(per_work is None):
-            per_work = self.per_work(mSeq, batch, lane, num_splits, min_chunk, work_target)
+            per_work = self.per_work(mSeq, batch, lane, num_splits, min_chunk, work_target, long_splits)
 
         # pass 2: items of split requests come first (w = S_b + split, S_b = partial slots of earlier split
         # requests), in order of b; totals NS (slots) and J (split requests)
@@ -159,7 +160,7 @@ class BalancedScheduler:
         num_split = cutlass.Int32(0)
         for base in cutlass.range(0, batch, 128, unroll=1):
             n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
-                mSeq, base, batch, per_work, num_splits, lane)
+                mSeq, base, batch, per_work, num_splits, lane, long_splits)
             for u in cutlass.range_constexpr(4):
                 first = num_slots + slots_before[u]
                 if n[u] > 1 and first <= w and w < first + n[u]:
@@ -176,7 +177,7 @@ class BalancedScheduler:
             splits_so_far = cutlass.Int32(0)
             for base in cutlass.range(0, batch, 128, unroll=1):
                 n, chunk, slots_before, splits_before, step_slots, step_splits = self.schedule_step(
-                    mSeq, base, batch, per_work, num_splits, lane)
+                    mSeq, base, batch, per_work, num_splits, lane, long_splits)
                 for u in cutlass.range_constexpr(4):
                     b = base + 4 * lane + u
                     if b < batch and n[u] == 1 and self.first_item(1, b, 0, splits_so_far + splits_before[u],
@@ -203,12 +204,13 @@ class BalancedScheduler:
         return first
 
     @cute.jit
-    def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
+    def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target, long_splits=None):
         """p, the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule)."""
-        return self.per_work_and_total(mSeq, batch, lane, num_splits, min_chunk, work_target)[0]
+        return self.per_work_and_total(mSeq, batch, lane, num_splits, min_chunk, work_target, long_splits)[0]
 
     @cute.jit
-    def per_work_and_total(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target):
+    def per_work_and_total(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target,
+                           long_splits=None):
         """(p, T): the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule), and the
         batch's tiles. The search runs only for a batch of fewer requests than the wave whose items could
         overflow it; its bisection steps re-read seq_lens from L1."""
@@ -241,7 +243,7 @@ class BalancedScheduler:
             state = cutlass.Int32(0)  # 0: test p, 1: test hi, 2: bisect, 3: done
             for _ in cutlass.range(0, 34, unroll=1):  # 2 tests + at most 31 bisection steps over int32
                 if state < 3:
-                    fits = self.num_items(mSeq, batch, lane, x, num_splits) <= work_target
+                    fits = self.num_items(mSeq, batch, lane, x, num_splits, long_splits) <= work_target
                     if state == 2:
                         if fits:
                             hi = x
@@ -265,7 +267,8 @@ class BalancedScheduler:
         return p, total
 
     @cute.jit
-    def leaves_wave_gap(self, mSeq: cute.Tensor, batch, lane, per_work, total, num_splits, work_target):
+    def leaves_wave_gap(self, mSeq: cute.Tensor, batch, lane, per_work, total, num_splits, work_target,
+                        long_splits=None):
         """Whether the balanced plan's items with p = ``per_work`` (T = ``total`` tiles) leave a wave gap the
         share plan closes (ops/workspace.py ``prefers_shares``): more than W items of at least cdiv(4 T, 5 W)
         tiles. One pass over seq_lens (request b has n_b - 1 items of ct_b tiles and a last one)."""
@@ -277,7 +280,7 @@ class BalancedScheduler:
                 if b < batch:
                     seq_len = mSeq[b]
                     tiles = cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
-                    n, chunk = self.request_chunks(seq_len, per_work, num_splits)
+                    n, chunk = self.request_chunks(seq_len, per_work, num_splits, long_splits)
                     ct = chunk // self.block_n
                     if ct >= wide:
                         lane_count = lane_count + n - 1
@@ -287,27 +290,32 @@ class BalancedScheduler:
         return count > work_target
 
     @cute.jit
-    def num_items(self, mSeq: cute.Tensor, batch, lane, per_work, num_splits):
+    def num_items(self, mSeq: cute.Tensor, batch, lane, per_work, num_splits, long_splits=None):
         """I(p): the work items of the schedule with p tiles per item (the whole warp gets the sum)."""
         lane_items = cutlass.Int32(0)
         for b in cutlass.range(lane, batch, 32, unroll=1):  # batch < W: a few requests per lane, one code copy
-            lane_items = lane_items + self.request_chunks(mSeq[b], per_work, num_splits)[0]
+            lane_items = lane_items + self.request_chunks(mSeq[b], per_work, num_splits, long_splits)[0]
         return cute.arch.make_warp_uniform(cute.arch.warp_reduction_sum(lane_items))
 
     @cute.jit
-    def request_chunks(self, seq_len, per_work, num_splits):
-        """(n_b, chunk_b in tokens) of one request."""
+    def request_chunks(self, seq_len, per_work, num_splits, long_splits=None):
+        """(n_b, chunk_b in tokens) of one request; ``long_splits``: the long cap of a request whose items at
+        ``num_splits`` would hold over 1.5 p tiles (ops/workspace.py balanced_schedule)."""
         tiles = cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
-        n = cutlass.min((tiles + per_work - 1) // per_work, num_splits)
+        cap = num_splits
+        if cutlass.const_expr(long_splits is not None):
+            if long_splits > num_splits and tiles > num_splits * (3 * per_work // 2):
+                cap = long_splits
+        n = cutlass.min((tiles + per_work - 1) // per_work, cap)
         ct = (tiles + n - 1) // n
         return (tiles + ct - 1) // ct, ct * self.block_n
 
     @cute.jit
-    def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane):
+    def schedule_step(self, mSeq: cute.Tensor, base, batch, per_work, num_splits, lane, long_splits=None):
         """Requests base + 4 lane + u (u < 4) of one 128-request step of the balanced plan: their splits n_b
         (0 past the batch) and chunks, the partial slots and split requests before each within the step, and
         the step's totals. One warp scan of (slots | split requests << 16): a step has at most
-        128 * num_splits < 2^16 slots."""
+        128 * max(num_splits, long_splits) < 2^16 slots."""
         n = [None] * 4
         chunk = [None] * 4
         lens = [None] * 4
@@ -322,7 +330,7 @@ class BalancedScheduler:
             n_u = cutlass.Int32(0)
             chunk_u = cutlass.Int32(0)
             if lens[u] >= 0:
-                n_u, chunk_u = self.request_chunks(lens[u], per_work, num_splits)
+                n_u, chunk_u = self.request_chunks(lens[u], per_work, num_splits, long_splits)
             n[u] = n_u
             chunk[u] = chunk_u
             packed_before[u] = own
@@ -527,14 +535,15 @@ class StepPlanKernel:
 
     @cute.jit
     def __call__(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
-                 min_chunk: cutlass.Int32, work_target: cutlass.Int32, grid_items: cutlass.Int32,
-                 shares: cutlass.Int32, stream):
-        self.kernel(mSeq, mSplitIndex, mWork, num_splits, min_chunk, work_target, shares).launch(
+                 long_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+                 grid_items: cutlass.Int32, shares: cutlass.Int32, stream):
+        self.kernel(mSeq, mSplitIndex, mWork, num_splits, long_splits, min_chunk, work_target, shares).launch(
             grid=(grid_items, 1, 1), block=[32, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
     @cute.kernel
     def kernel(self, mSeq: cute.Tensor, mSplitIndex: cute.Tensor, mWork: cute.Tensor, num_splits: cutlass.Int32,
-               min_chunk: cutlass.Int32, work_target: cutlass.Int32, shares: cutlass.Int32):
+               long_splits: cutlass.Int32, min_chunk: cutlass.Int32, work_target: cutlass.Int32,
+               shares: cutlass.Int32):
         w, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(self.use_pdl):
@@ -543,12 +552,13 @@ class StepPlanKernel:
         # the balanced plan's p first, in every mode (auto decides with it; one copy of each path's code: this
         # kernel's time is mostly its cold instruction fetch, benchmarks/NOTES.md session 19)
         per_work, total = self.scheduler.per_work_and_total(mSeq, mSeq.shape[0], lane, num_splits, min_chunk,
-                                                            work_target)
+                                                            work_target, long_splits)
         use_shares = shares > 0
         if shares < 0:
             use_shares = self.scheduler.leaves_wave_gap(mSeq, mSeq.shape[0], lane, per_work, total, num_splits,
-                                                        work_target)
+                                                        work_target, long_splits)
         if use_shares:
             self.shares.write_piece(mSeq, mSplitIndex, mWork, w, lane, work_target, num_splits, min_chunk)
         else:
-            self.scheduler.write_item(mSeq, mSplitIndex, mWork, w, lane, num_splits, min_chunk, work_target, per_work)
+            self.scheduler.write_item(mSeq, mSplitIndex, mWork, w, lane, num_splits, min_chunk, work_target, per_work,
+                                      long_splits)

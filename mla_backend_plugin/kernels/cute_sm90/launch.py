@@ -125,7 +125,7 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
 
         ints = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
         return cute.compile(StepPlanKernel(variant.block_n, use_pdl=use_pdl), *ints, cutlass.Int32(1),
-                            cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
+                            cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
                             make_fake_stream(), options=compile_options(arch, keep_dir))
     from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
 
@@ -218,8 +218,8 @@ def fuses_combine(args, plan) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _with_split_cap(config: LaunchConfig, cap: int) -> LaunchConfig:
-    return dataclasses.replace(config, max_splits=cap)
+def _with_split_caps(config: LaunchConfig, cap: int | None, long_cap: int | None) -> LaunchConfig:
+    return dataclasses.replace(config, max_splits=cap, long_splits=long_cap)
 
 
 def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
@@ -229,12 +229,21 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     (B=1: 64), so a one-request step fills the GPU: B=1 S=32k fp8 42.6 -> 30.8 us, bf16 51.2 -> 44.7
     (benchmarks/NOTES.md, session 20). The grid stays within one wave (at most W items), so the fused combine still
     serves it; the cap of 64 at B=2 (a grid bound of B + W - 1 = 67 items: 134 CTAs on 132 SMs, so the separate
-    combine) cost 6-33% there. W comes from the memoised plan (launch checks the plan it runs with plan_for)."""
+    combine) cost 6-33% there. W comes from the memoised plan (launch checks the plan it runs with plan_for).
+
+    Such a config also gets the split capacity as its long cap (SplitPlan.long_splits: a request whose items at
+    the cap would hold over 1.5x the plan's tiles per item may take up to that many; ops/workspace.py
+    balanced_schedule) where the grid stays as it is: batch x cap >= batch + W - 1, so from B=3 at the default
+    cap, never at B <= 2, whose fused combine needs the grid within one wave."""
     if config.max_splits is not None or not config.balanced:
         return config
     work = workspace.plan(args.batch, args.q_len, True, BLOCK_M, device_plan=config.device_plan).work_target
     cap = min(workspace.split_capacity, work // args.batch)
-    return _with_split_cap(config, cap) if cap > workspace.max_splits else config
+    cap = cap if cap > workspace.max_splits else None
+    long_cap = config.long_splits
+    if long_cap is None and args.batch * (cap or workspace.max_splits) >= args.batch + work - 1:
+        long_cap = workspace.split_capacity if workspace.split_capacity > (cap or workspace.max_splits) else None
+    return config if cap is None and long_cap is None else _with_split_caps(config, cap, long_cap)
 
 
 def launch(args, workspace, config: LaunchConfig) -> None:
@@ -255,7 +264,8 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
-                                                plan.num_splits, plan.min_chunk, plan.work_target, plan.grid_items,
+                                                plan.num_splits, plan.long_splits or plan.num_splits, plan.min_chunk,
+                                                plan.work_target, plan.grid_items,
                                                 STEP_PLAN_MODES[plan.device_plan] * plan.work_target, stream)
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
     counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
