@@ -442,14 +442,7 @@ class Sm90MlaDecode:
         (pv_thr, tSrQ, tSrQreg, tSrK, tOrP, tOrV, acc_o, acc_s, tScS,
          tSsP) = self.split_key_operands(qk_mma, qk_rs_mma, pv_mma, sQ, sKV, sV, sP, ctid)
 
-        # the two rows this thread holds (accumulator values v with (v >> 1) & 1 == half)
-        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # over this group's keys only
-        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-        for half in cutlass.range_constexpr(2):
-            row_max[half] = -cutlass.Float32.inf
-            row_sum[half] = 0.0
-            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + tScS[2 * half][0], seq_len, kv_end)
+        row_max, row_sum, row_limit = self.row_state(mRowKv, b, mblk, tScS, seq_len, kv_end)
         lane = ctid % 32
         row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # logit scale of each row
         for half in cutlass.range_constexpr(2):
@@ -476,17 +469,47 @@ class Sm90MlaDecode:
             self.softmax_step(acc_s, acc_o, tScS, tSsP, row_max, row_sum, row_limit, row_scale, sMaxX, grp, lane,
                               kv_start + j * BLOCK_N, cd, 1.0)
 
-            warpgroup.fence()
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(pv_mma, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            kv_pipe.consumer_release(read_state)
+            self.pv_from_smem_and_release(pv_mma, acc_o, tOrP, tOrV, 0, BLOCK_N // 16, kv_pipe, read_state)
             read_state.advance()
 
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
                           mPartLse, kscale, 1.0, n_splits, b, mblk, slot)
+
+    @cute.jit
+    def row_state(self, mRowKv, b, mblk, tScS, seq_len, kv_end, scale_log2=None, sQs=None):
+        """The two query rows this thread holds (accumulator values v with (v >> 1) & 1 == half): their running
+        max (-inf), their sum over this group's keys (0) and their key limit (``row_kv_limit``); with ``sQs``
+        (fp8 design B: each row's 1 / q scale) also each row's logit scale, ``scale_log2 * sQs[row]``."""
+        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            row_max[half] = -cutlass.Float32.inf
+            row_sum[half] = 0.0
+            r = tScS[2 * half][0]
+            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + r, seq_len, kv_end)
+            if cutlass.const_expr(sQs is not None):
+                row_scale[half] = scale_log2 * sQs[r]
+        if cutlass.const_expr(sQs is not None):
+            return row_max, row_sum, row_limit, row_scale
+        return row_max, row_sum, row_limit
+
+    @cute.jit
+    def pv_from_smem_and_release(self, pv_mma, acc_o, tOrP, tOrV, k0, k_steps: cutlass.Constexpr, kv_pipe,
+                                 read_state):
+        """O += P V over k-steps [k0, k0 + k_steps) of the tile in ``read_state``'s stage, P from shared memory;
+        waits for it and releases the stage. The caller advances ``read_state``: CuTe-DSL hands a pipeline state
+        to a nested jit call as its values, so an advance here would move a copy (benchmarks/NOTES.md, session
+        21)."""
+        stage = read_state.index
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(k_steps):
+            cute.gemm(pv_mma, acc_o, tOrP[(None, None, k0 + k, 0)], tOrV[(None, None, k0 + k, stage)], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        kv_pipe.consumer_release(read_state)
 
     @cute.jit
     def row_kv_limit(self, mRowKv, b, r, seq_len, kv_end):

@@ -427,16 +427,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         k_steps = cute.size(tSrQ, mode=[2])
         pv_steps = cute.size(tOrP, mode=[2])
 
-        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-        row_scale = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        for half in cutlass.range_constexpr(2):
-            row_max[half] = -cutlass.Float32.inf
-            row_sum[half] = 0.0
-            rl = tScS[2 * half][0]
-            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + rl, seq_len, kv_end)
-            row_scale[half] = scale_log2 * sQs[rl]
+        row_max, row_sum, row_limit, row_scale = self.row_state(mRowKv, b, mblk, tScS, seq_len, kv_end,
+                                                                scale_log2, sQs)
         lane = ctid % 32
 
         # Step i issues P V of tile i - 1 and Q K^T of tile i back to back and waits for both (one wgmma

@@ -322,13 +322,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         # of m64n64 and the A layout of four m64k16 steps hold the same (row, key) per value index)
         r_p = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, BLOCK_N // 16), stride=((1, 2, 4), 0, 8)), cd)
 
-        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # running maximum (both groups)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # over this group's tiles
-        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-        for half in cutlass.range_constexpr(2):
-            row_max[half] = -cutlass.Float32.inf
-            row_sum[half] = 0.0
-            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + tScS[2 * half][0], seq_len, kv_end)
+        # the running maximum (both groups), the sum over this group's keys, the key limit, per row
+        row_max, row_sum, row_limit = self.row_state(mRowKv, b, mblk, tScS, seq_len, kv_end)
 
         if grp == 0:
             if n_pairs > 0:
@@ -342,28 +337,14 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
                 m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-                for half in cutlass.range_constexpr(2):
-                    m = cute.arch.fmax(row_max[half], m_a[half])
-                    m_a[half] = m
-                    m_use[half] = exp_base(m)
-                    alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
-                    if lane % 4 == 0:
-                        sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
                 self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
                 self.rescale_o(acc_o, alpha)
                 self.issue_pv(pv_rs_mma, acc_o, r_p, tOrVrs, 0, True)
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
                 # m_B from the right group: P_A goes to it rescaled to m_B
                 consumer_sync(Sm90DecodeBarrier.SCALE_B)
-                for half in cutlass.range_constexpr(2):
-                    m_b = sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]]
-                    alpha[half] = cute.math.exp2(m_a[half] - exp_base(m_b), fastmath=True)
-                    row_max[half] = m_b
-                p_other = cute.make_rmem_tensor(acc_s.layout, cd)
-                for v in cutlass.range_constexpr(cute.size(acc_s)):
-                    p_other[v] = (acc_s[v] * alpha[(v >> 1) & 1]).to(cd)
-                cute.autovec_copy(p_other, tSsP0)
-                cute.arch.fence_proxy("async.shared", space="cta")
+                self.left_p_at_right_max(sMaxB, i, tScS, m_a, row_max, alpha, acc_s, tSsP0)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
                 warpgroup.wait_group(0)  # P_A V_A,left
                 self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: S_A and P_A V_A,left are done
@@ -392,25 +373,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: never read by this group
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
-                alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-                m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-                for half in cutlass.range_constexpr(2):
-                    after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
-                    mu_a = exp_base(after_a)
-                    m = cute.arch.fmax(after_a, tile_max[half])
-                    mu_b = exp_base(m)
-                    if lane % 4 == 0:
-                        sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
-                    # the left group's two factors for this pair, computed from the same values
-                    alpha[half] = (cute.math.exp2(row_max[half] - mu_a, fastmath=True)
-                                   * cute.math.exp2(after_a - mu_b, fastmath=True))
-                    m_use[half] = mu_b
-                    row_max[half] = m
-                consumer_sync(Sm90DecodeBarrier.SCALE_B)
-                self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
-                cute.autovec_copy(r_p, tSsP1)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.rescale_o(acc_o, alpha)
+                self.right_softmax(sMaxA, sMaxB, i, tScS, tile_max, row_max, row_sum, acc_s, r_p, tSsP1, acc_o, lane)
                 self.issue_pv(pv_rs_mma, acc_o, r_p, tOrVrs, 1, True)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
                 self.issue_pv(pv_mma, acc_o, tOrP0, tOrV, 0, False)
@@ -437,6 +400,62 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         for half in cutlass.range_constexpr(2):
             m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
         return m_loc
+
+    # The max exchange of the two groups, shared by the seesaw (pair i of tiles) and seesaw32 (the two halves of
+    # tile i): the exchange buffers hold one entry per row for each parity of i. Each writes its results into the
+    # register tensors it is given (in place: what a nested jit call can hand back besides its return value).
+
+    @cute.jit
+    def left_running_max(self, sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane):
+        """The left group, after its S: ``m_a`` holds its tile's row maxima and becomes m_A = max(running max,
+        them), posted to ``sMaxA``; ``m_use`` its exp base, ``alpha`` the rescale of its O and l."""
+        for half in cutlass.range_constexpr(2):
+            m = cute.arch.fmax(row_max[half], m_a[half])
+            m_a[half] = m
+            m_use[half] = exp_base(m)
+            alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
+            if lane % 4 == 0:
+                sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+
+    @cute.jit
+    def right_softmax(self, sMaxA, sMaxB, i, tScS, tile_max, row_max, row_sum, acc_s, r_p, tSsP, acc_o, lane):
+        """The right group, after ``SCALE_A``: m_B = max(m_A, its tile max) posted to ``sMaxB`` and kept as the
+        running max; then, after ``SCALE_B``, its P = exp2(S - m_B) (``acc_s``, ``r_p``) into shared memory
+        (``tSsP``) for the left group's P V, fenced, and its O and l rescaled by the left group's two factors
+        (old max -> m_A -> m_B), computed from the same values."""
+        alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
+            mu_a = exp_base(after_a)
+            m = cute.arch.fmax(after_a, tile_max[half])
+            mu_b = exp_base(m)
+            if lane % 4 == 0:
+                sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+            alpha[half] = (cute.math.exp2(row_max[half] - mu_a, fastmath=True)
+                           * cute.math.exp2(after_a - mu_b, fastmath=True))
+            m_use[half] = mu_b
+            row_max[half] = m
+        consumer_sync(Sm90DecodeBarrier.SCALE_B)
+        self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
+        cute.autovec_copy(r_p, tSsP)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.rescale_o(acc_o, alpha)
+
+    @cute.jit
+    def left_p_at_right_max(self, sMaxB, i, tScS, m_a, row_max, alpha, acc_s, tSsP):
+        """The left group, after ``SCALE_B``: its P (fp32 in ``acc_s``) rescaled from m_A to the right group's m_B
+        into shared memory (``tSsP``) for the right group's P V, fenced for the async proxy; ``alpha`` = that
+        factor (for its own O and l), ``row_max`` = m_B."""
+        for half in cutlass.range_constexpr(2):
+            m_b = sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]]
+            alpha[half] = cute.math.exp2(m_a[half] - exp_base(m_b), fastmath=True)
+            row_max[half] = m_b
+        p_other = cute.make_rmem_tensor(acc_s.layout, self.cdtype)
+        for v in cutlass.range_constexpr(cute.size(acc_s)):
+            p_other[v] = (acc_s[v] * alpha[(v >> 1) & 1]).to(self.cdtype)
+        cute.autovec_copy(p_other, tSsP)
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def exp_and_sum(self, acc_s, r_p, row_sum, alpha, m_use):

@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import warpgroup
 from mla_backend_plugin.kernels.cute_common.barriers import Sm90DecodeBarrier, consumer_sync
 from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
 from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, KV_STAGES, Variant
-from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, Sm90MlaDecode, exp_base
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, Sm90MlaDecode
 from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw
 
 HALF_KEYS = BLOCK_N // 2
@@ -85,13 +85,8 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
         own_k0 = grp * K_STEPS_HALF
         other_k0 = (1 - grp) * K_STEPS_HALF
 
-        row_max = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # running maximum (both groups)
-        row_sum = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)  # over this group's keys
-        row_limit = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-        for half in cutlass.range_constexpr(2):
-            row_max[half] = -cutlass.Float32.inf
-            row_sum[half] = 0.0
-            row_limit[half] = self.row_kv_limit(mRowKv, b, mblk * BLOCK_M + tScS[2 * half][0], seq_len, kv_end)
+        # the running maximum (both groups), the sum over this group's keys, the key limit, per row
+        row_max, row_sum, row_limit = self.row_state(mRowKv, b, mblk, tScS, seq_len, kv_end)
         # the running maxima after L's half (A) and after R's half (B), one buffer per tile parity
         sMaxA = cute.make_tensor(sMaxX.iterator, cute.make_layout(2 * BLOCK_M))
         sMaxB = cute.make_tensor(sMaxX.iterator + 2 * BLOCK_M, cute.make_layout(2 * BLOCK_M))
@@ -100,7 +95,6 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
         for j in cutlass.range(n_tiles, unroll=1):
             stage = read_state.index
             tile_start = kv_start + j * BLOCK_N
-            parity = (j % 2) * BLOCK_M
             # S over this group's 32 keys; the groups drift apart by the schedule below (L reaches the next
             # tile's S while R still runs its P V), which is where one's softmax meets the other's wgmmas
             kv_pipe.consumer_wait(read_state)
@@ -115,29 +109,14 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
             tile_max = self.half_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
             alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-            m_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             if grp == 0:
-                for half in cutlass.range_constexpr(2):
-                    m = cute.arch.fmax(row_max[half], tile_max[half])
-                    m_a[half] = m
-                    m_use[half] = exp_base(m)
-                    alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
-                    if lane % 4 == 0:
-                        sMaxA[parity + tScS[2 * half][0]] = m
+                self.left_running_max(sMaxA, j, tScS, tile_max, row_max, alpha, m_use, lane)
                 self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
                 self.rescale_o(acc_o, alpha)
                 self.issue_pv_rs(pv_rs_mma, acc_o, r_p, tOrVrs, own_k0, stage)
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
                 consumer_sync(Sm90DecodeBarrier.SCALE_B)  # m_B from the right group: P_A goes to it rescaled
-                for half in cutlass.range_constexpr(2):
-                    m_b = sMaxB[parity + tScS[2 * half][0]]
-                    alpha[half] = cute.math.exp2(m_a[half] - exp_base(m_b), fastmath=True)
-                    row_max[half] = m_b
-                p_other = cute.make_rmem_tensor(acc_s.layout, cd)
-                for v in cutlass.range_constexpr(cute.size(acc_s)):
-                    p_other[v] = (acc_s[v] * alpha[(v >> 1) & 1]).to(cd)
-                cute.autovec_copy(p_other, tSsP)
-                cute.arch.fence_proxy("async.shared", space="cta")
+                self.left_p_at_right_max(sMaxB, j, tScS, tile_max, row_max, alpha, acc_s, tSsP)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)
                 warpgroup.wait_group(0)  # P_A V_A,L
                 for half in cutlass.range_constexpr(2):
@@ -145,33 +124,11 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
                 self.rescale_o(acc_o, alpha)
             else:
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
-                for half in cutlass.range_constexpr(2):
-                    after_a = sMaxA[parity + tScS[2 * half][0]]
-                    mu_a = exp_base(after_a)
-                    m = cute.arch.fmax(after_a, tile_max[half])
-                    mu_b = exp_base(m)
-                    if lane % 4 == 0:
-                        sMaxB[parity + tScS[2 * half][0]] = m
-                    # the left group's two factors for this tile, computed from the same values
-                    alpha[half] = (cute.math.exp2(row_max[half] - mu_a, fastmath=True)
-                                   * cute.math.exp2(after_a - mu_b, fastmath=True))
-                    m_use[half] = mu_b
-                    row_max[half] = m
-                consumer_sync(Sm90DecodeBarrier.SCALE_B)
-                self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
-                cute.autovec_copy(r_p, tSsP)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.rescale_o(acc_o, alpha)
+                self.right_softmax(sMaxA, sMaxB, j, tScS, tile_max, row_max, row_sum, acc_s, r_p, tSsP, acc_o, lane)
                 self.issue_pv_rs(pv_rs_mma, acc_o, r_p, tOrVrs, own_k0, stage)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)
             # the other group's P from shared memory with the other half's keys of V
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(K_STEPS_HALF):
-                cute.gemm(pv_mma, acc_o, tOrP[(None, None, other_k0 + k, 0)], tOrV[(None, None, other_k0 + k, stage)],
-                          acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            kv_pipe.consumer_release(read_state)
+            self.pv_from_smem_and_release(pv_mma, acc_o, tOrP, tOrV, other_k0, K_STEPS_HALF, kv_pipe, read_state)
             read_state.advance()
 
         self.store_result(acc_o, row_max, row_sum, tScS, pv_thr, sSumX, stage_ptr, grp, ctid, mOut, mLse, mPartO,
@@ -185,7 +142,10 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
             cute.gemm(pv_rs_mma, acc_o, r_p[(None, None, k)], tOrV[(None, None, k0 + k, stage)], acc_o)
         warpgroup.commit_group()
 
-    # the seesaw's per-group softmax pieces, unchanged (16 S values per thread here instead of 32)
+    # the seesaw's per-group softmax pieces and max exchange, unchanged (16 S values per thread here instead of 32)
     half_row_max = Sm90MlaDecodeSeesaw.scaled_row_max
     exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
     rescale_o = Sm90MlaDecodeSeesaw.rescale_o
+    left_running_max = Sm90MlaDecodeSeesaw.left_running_max
+    right_softmax = Sm90MlaDecodeSeesaw.right_softmax
+    left_p_at_right_max = Sm90MlaDecodeSeesaw.left_p_at_right_max
