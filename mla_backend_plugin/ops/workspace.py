@@ -76,6 +76,11 @@ class SplitPlan:
     long_splits: int = 0
 
     @property
+    def request_split_limit(self) -> int:
+        """The most splits the plan gives any request: the long cap when there is one, else the cap."""
+        return self.long_splits or self.num_splits
+
+    @property
     def has_combine(self) -> bool:
         return self.max_split_requests > 0 if self.balanced else self.num_splits > 1
 

@@ -181,7 +181,7 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
             out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
-            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.long_splits or plan.num_splits),
+            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.request_split_limit),
             USE_PDL=use_pdl, D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block,
             num_warps=4, **extra,
         )

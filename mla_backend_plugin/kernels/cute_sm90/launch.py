@@ -238,11 +238,12 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     if config.max_splits is not None or not config.balanced:
         return config
     work = workspace.plan(args.batch, args.q_len, True, BLOCK_M, device_plan=config.device_plan).work_target
-    cap = min(workspace.split_capacity, work // args.batch)
-    cap = cap if cap > workspace.max_splits else None
+    wave_cap = min(workspace.split_capacity, work // args.batch)
+    cap = wave_cap if wave_cap > workspace.max_splits else None
+    runs_cap = cap or workspace.max_splits
     long_cap = config.long_splits
-    if long_cap is None and args.batch * (cap or workspace.max_splits) >= args.batch + work - 1:
-        long_cap = workspace.split_capacity if workspace.split_capacity > (cap or workspace.max_splits) else None
+    if long_cap is None and workspace.split_capacity > runs_cap and args.batch * runs_cap >= args.batch + work - 1:
+        long_cap = workspace.split_capacity
     return config if cap is None and long_cap is None else _with_split_caps(config, cap, long_cap)
 
 
@@ -264,7 +265,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
-                                                plan.num_splits, plan.long_splits or plan.num_splits, plan.min_chunk,
+                                                plan.num_splits, plan.request_split_limit, plan.min_chunk,
                                                 plan.work_target, plan.grid_items,
                                                 STEP_PLAN_MODES[plan.device_plan] * plan.work_target, stream)
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
