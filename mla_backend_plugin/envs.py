@@ -136,10 +136,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
-           "chunks), `shares` (requests split where the boundaries of equal shares of the step's KV tiles cross "
-           "them; more, shorter pieces), or `auto` (`shares` when the balanced plan's work items would leave a "
-           "wave of SMs half idle, e.g. one long request among many short ones; else `balanced`). Work items run "
-           "longest first in every plan.", kind="choice", choices=("auto", "balanced", "shares")),
+           "chunks, at most 32 of them unless that leaves it the step's critical path, then up to the "
+           "workspace's split capacity, 64 in the serving backends), `shares` (requests split where the "
+           "boundaries of equal shares of the step's KV tiles cross them; more, shorter pieces), or `auto` "
+           "(`shares` when the balanced plan's work items would leave a wave of SMs half idle, e.g. one long "
+           "request among many short ones; else `balanced`). Work items run longest first in every plan.",
+           kind="choice", choices=("auto", "balanced", "shares")),
     EnvVar("CUTE_MLA_FUSED_COMBINE", True,
            "cute_sm90: when a split-KV grid fits on the GPU at once (small batches), merge the splits inside "
            "the split kernel (one launch) instead of a second combine kernel; `0` always launches the "
