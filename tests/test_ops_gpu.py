@@ -428,6 +428,31 @@ def test_long_request_takes_the_long_cap(kv_kind, q_form, q_len):
         assert sched.splits[0] > plan.num_splits, sched.splits
 
 
+@pytest.mark.parametrize("kv_kind,q_form,batch,long_requests", [("bf16", "pair", 32, 1), ("fp8", "fp8", 128, 1),
+                                                                  ("fp8", "pair", 128, 1), ("bf16", "pair", 128, 24)])
+def test_combine_merges_few_split_requests_of_many_splits(kv_kind, q_form, batch, long_requests):
+    """The benchmark's one-long cells at B=32 and 128 (one ~32k request among <= 1k ones; one of length 1): one
+    split request (J = 1) of 14-32 splits under a combine grid shaped for J_max = 32-65 split requests (its tile:
+    ops/workspace.py combine_tile, several load rounds at B=128); with 24 long requests J = 24. Correct output
+    (outputs NaN first, poisoned unread slots) on a serving workspace; for cute_sm90 under the balanced plan, J
+    as its plan kernel wrote it."""
+    heads, bs, q_len = 128, 64, 1
+    seed = _seed("combine-few", kv_kind, q_form, batch, long_requests)
+    lens = [1024 - (37 * i) % 300 for i in range(batch)]
+    for i in range(long_requests):
+        lens[i * (batch // long_requests)] = 32768 - 61 * i
+    lens[3] = 1
+    fp8 = kv_kind == "fp8"
+    inp = make_decode_inputs(batch, lens, q_len, heads, bs, FP8 if fp8 else BF16, q_form, DEVICE, seed,
+                             q_scale=2.0 if q_form == "fp8" else None, kv_scale=3.0 if fp8 else None,
+                             poison=_poison(seed))
+    ws = MLAWorkspace(DEVICE, max_batch=batch, max_q_len=q_len, num_heads=heads, split_capacity=SPLIT_CAPACITY)
+    ws.split_index.fill_(-7)
+    _check(inp, workspace=ws)
+    if KERNEL == "cute_sm90" and envs.CUTE_MLA_SM90_PLAN == "balanced":
+        assert (int(ws.split_index[0]) == 1) == (long_requests == 1), ws.split_index[:4].tolist()
+
+
 @pytest.mark.parametrize("kv_kind,q_form,q_len", [("bf16", "pair", 1), ("fp8", "fp8", 1), ("fp8", "fp8", 2)])
 def test_auto_plan_takes_shares_for_a_wave_gap(kv_kind, q_form, q_len, monkeypatch):
     """CUTE_MLA_SM90_PLAN=auto on one long request among short ones (the benchmark's one-long cells at 8k): the

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from mla_backend_plugin.ops.constants import SUPPORTED_NUM_HEADS, SUPPORTED_Q_LENS
 from mla_backend_plugin.ops.workspace import (
     MAX_SPLITS,
     MIN_CHUNK_TOKENS,
@@ -308,6 +309,38 @@ def _bench_long_tail(batch: int, max_len: int = 32768, seed: int = 0) -> list[in
                         for _ in range(batch - 1)]
 
 
+@pytest.mark.parametrize("heads", SUPPORTED_NUM_HEADS)
+@pytest.mark.parametrize("q_len", SUPPORTED_Q_LENS)
+def test_combine_tiles_cover_whole_rows(heads, q_len):
+    """Every balanced plan's combine tile (ops/workspace.py combine_tiles): at least 2 rows of all 512 columns
+    (fewer leave the 128 threads' 8-wide loads crossing warps in the sum over splits, 2-4x slower on an H100) that
+    divide q_len x H, a power-of-2 split block within the cap, at most 2 x 16 x 512 partials a round, and no fewer
+    splits a round for a plan shaped for fewer split requests."""
+    rows = q_len * heads
+    for num_sms in (8, 78, 132, 148):
+        for max_splits, long_splits in ((1, 0), (2, 0), (8, 0), (32, 0), (32, 64), (64, 0)):
+            last = None
+            for batch in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256):
+                plan = plan_splits(batch, q_len, heads, ROWS, num_sms, max_splits=max_splits, balanced=True,
+                                   long_splits=long_splits)
+                r, sb = plan.combine_rows, plan.combine_split_block
+                note = (batch, num_sms, max_splits, plan)
+                assert r >= 2 and rows % r == 0, note
+                assert sb & (sb - 1) == 0 and sb < 2 * max_splits and r * sb <= 32, note
+                if last is not None and plan.max_split_requests >= last[0]:
+                    assert sb <= last[1], note
+                last = (plan.max_split_requests, sb)
+
+
+def test_combine_tiles_of_the_benchmark_shapes():
+    """The shapes the combine tiles were measured for (H100, 128 heads, q_len 1, benchmarks/NOTES.md "combine
+    tiles"): B=4 (J_max 4) 2 rows x 16 splits a round; B=128 (J_max 65) 16 rows x 1 (a grid of 520 CTAs)."""
+    small = plan_splits(4, 1, 128, ROWS, NUM_SMS, max_splits=32, balanced=True)
+    large = plan_splits(128, 1, 128, ROWS, NUM_SMS, max_splits=32, balanced=True, long_splits=64)
+    assert (small.combine_rows, small.combine_split_block) == (2, 16)
+    assert (large.max_split_requests, large.combine_rows, large.combine_split_block) == (65, 16, 1)
+
+
 def test_workspace_holds_balanced_plan():
     ws = MLAWorkspace("cpu", max_batch=300, max_q_len=4, num_heads=128, num_sms=NUM_SMS)
     assert len(ws.plan_rows) > 1  # every family's tile
@@ -349,7 +382,7 @@ def test_balanced_kernels_compile_for_sm90():
         combine_kernels.combine_balanced_kernel,
         {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
          "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
-        {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 4, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 32,
-         "USE_PDL": True, "D_BLOCK": 128, "SPLIT_BLOCK": 32},
+        {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 2, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 64,
+         "USE_PDL": True, "SPLIT_BLOCK": 16},
         {"num_warps": 4}, cc=90)
     assert combine.metadata.shared >= 0

@@ -33,14 +33,17 @@ CASES = [
     (torch.float16, [1, 1500, 3, 200, 127], 2, 32, 32, 16, 8, True, {1: 3}),
     # fp8 cache with scale 2, q_len 3, 64-key pages
     (torch.float8_e4m3fn, [700, 1, 90], 3, 16, 64, 8, 16, True, {0: 2}),
-    # B=1 on a pretend GPU the combine's rows do not fill: the combine splits the columns (4 blocks of 128) and
-    # merges all its splits (24 of at most 32) in one load round
+    # B=1: the combine merges its 24 splits (of at most 32) in two load rounds of 16
     (torch.float16, [3000], 1, 16, 16, 64, 32, True, {0: 16}),
     # a uniform-ish batch whose cdiv(T, W) = 5 tiles per item makes 9 items for the 8 pretend SMs: the one-wave
     # search takes 6 tiles per item (2 splits each, 6 items)
     (torch.float16, [700, 700, 690], 1, 16, 64, 8, 16, True, {0: 2}),
     # the uniform plan through the same kernels
     (torch.float16, [1000, 1, 65, 300], 2, 16, 16, 8, 8, False, {}),
+    # 64 heads x q_len 2 on a pretend 64-SM GPU (combine tiles of 16 rows, one split a round): one long request
+    # among short ones (its 11 splits in 11 rounds), then three (fp8, scale 2)
+    (torch.float16, [2000] + [30] * 18 + [1], 2, 64, 32, 64, 32, True, {0: 8}),
+    (torch.float8_e4m3fn, [2000, 1500, 900] + [30] * 16 + [1], 2, 64, 32, 64, 32, True, {0: 2, 1: 2, 2: 2}),
 ]
 
 
@@ -84,9 +87,9 @@ def main() -> None:
         if balanced:
             sched = check_schedule(ws, seq_lens, q_len, want)
             plan = ws.plan(len(seq_lens), q_len, balanced=True)
-            note = f"splits {sched.splits}, combine rows {plan.combine_rows}, column blocks {plan.combine_col_blocks}"
-            if len(seq_lens) == 1:  # the B=1 case must take the column-split, one-round path it is there for
-                assert plan.combine_col_blocks > 1 and plan.combine_split_block >= max(sched.splits), note
+            note = f"splits {sched.splits}, combine rows {plan.combine_rows}, splits/round {plan.combine_split_block}"
+            if len(seq_lens) == 1:  # the B=1 case merges its splits in more than one load round
+                assert plan.combine_split_block < max(sched.splits), note
         print(f"case {i}: ok ({'balanced' if balanced else 'uniform'}; {note})")
     # replay: the same workspace, first a batch with split requests, then one with fewer (stale list entries)
     first = [900, 1000, 5, 64]
