@@ -325,7 +325,7 @@ def test_combine_tiles_cover_whole_rows(heads, q_len):
                                    long_splits=long_splits)
                 r, sb = plan.combine_rows, plan.combine_split_block
                 note = (batch, num_sms, max_splits, plan)
-                assert r >= 2 and rows % r == 0, note
+                assert r >= 2 and rows % r == 0 and plan.combine_col_blocks == 1, note
                 assert sb & (sb - 1) == 0 and sb < 2 * max_splits and r * sb <= 32, note
                 if last is not None and plan.max_split_requests >= last[0]:
                     assert sb <= last[1], note
@@ -383,6 +383,6 @@ def test_balanced_kernels_compile_for_sm90():
         {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
          "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
         {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": 2, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK, "SPLITS_P2": 64,
-         "USE_PDL": True, "SPLIT_BLOCK": 16},
+         "USE_PDL": True, "D_BLOCK": 512, "SPLIT_BLOCK": 16},
         {"num_warps": 4}, cc=90)
     assert combine.metadata.shared >= 0

@@ -47,10 +47,9 @@ DEVICE_PLANS = ("balanced", "shares", "auto")
 # Smallest KV chunk (tokens) worth a split of its own: below it the combine and the prologue cost more
 # than the parallelism gains.
 MIN_CHUNK_TOKENS = 128
-# The balanced combine's CTA (kernels/combine ``combine_balanced_kernel``): 4 warps, each thread loading 8
-# contiguous columns of a row (16 bytes of bf16 partials). Its tile is (rows, splits, all 512 columns); see
-# ``combine_tile`` for the shapes.
-COMBINE_WARPS = 4
+# Elements of one (rows, splits, columns) tile of partials a combine CTA loads per round beyond 16 x 128
+# row-requests (``combine_tiles``): 64 fp32 registers per thread at the combine's 4 warps.
+COMBINE_TILE_ELEMENTS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +63,8 @@ class SplitPlan:
     grid_items: int = 0  # G: the split kernel's grid is (m_blocks, G); items past the schedule's end exit
     max_split_requests: int = 0  # J_max: most requests that can be split; the combine's grid is (.., J_max)
     max_slots: int = 0  # most partial slots (one per split item): partial rows needed = max_slots * q_len * H
-    combine_rows: int = 2  # query rows (all 512 columns) one combine CTA merges (power of 2)
+    combine_rows: int = 2  # query rows one combine CTA merges (power of 2)
+    combine_col_blocks: int = 1  # column blocks of the 512 output columns, one combine CTA each (power of 2)
     combine_split_block: int = 1  # splits one combine CTA loads per round (power of 2)
     # balanced plans only: which schedule a step-planned kernel (cute_sm90) writes: "balanced"
     # (``balanced_schedule``), "shares" (``share_schedule``: the same bounds and grid, requests split at the
@@ -137,27 +137,37 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
 
 
 def combine_tiles(rows: int, j_max: int, max_splits: int, num_sms: int) -> dict:
-    """The balanced combine's tile (SplitPlan's combine_rows / combine_split_block) for ``rows`` = q_len * H query
-    rows of up to ``j_max`` split requests (the grid is rows / combine_rows x J_max) of up to ``max_splits``
-    splits each. Measured on an H100 over the benchmark cells' split lists (benchmarks/NOTES.md "combine tiles"):
+    """The balanced combine's tile (SplitPlan's combine_* fields) for ``rows`` = q_len * H query rows of up to
+    ``j_max`` split requests (the grid is rows / combine_rows x J_max x combine_col_blocks) of up to
+    ``max_splits`` splits each. Measured on an H100 over the benchmark cells' split lists (benchmarks/NOTES.md
+    "combine tiles"):
 
-    * All 512 columns and at least 2 rows: fewer leave the 128 threads fewer columns than their 8-wide loads
-      cover, so the sum over splits crosses warps (2-4x slower: the 1-row and column-split tiles that B <= 4 took
-      before spent 10 us where 2 rows take 3).
-    * Up to 16 x 128 row-requests (rows x J_max): 2 rows a CTA, the more splits a round the fewer requests.
-    * Beyond: ~2 waves of CTAs of up to 16 rows, 16 / rows splits a round, so the grid stays ~500 CTAs (it
-      launches whole for a step of J = 0; 4x as many cost ~0.9 us more there). A step with one long request among
-      short ones then merges its splits with Q_LEN * H / 16 CTAs one round after another (10 us at B=128 S=32k,
-      where tiles of 2 rows take 4.7): a second, few-request tile in the same kernel chosen by the device's J
-      measured that, but made the wide tile's cells up to 1.6x slower (NOTES), so it is not here."""
+    * Up to 16 x 128 row-requests (rows x J_max): 2 rows of all 512 columns a CTA, the more splits a round the
+      fewer requests. A tile of fewer than 1024 outputs leaves the 128 threads fewer columns than their 8-wide
+      loads cover, so the sum over splits crosses warps: the 1-row and column-split tiles these shapes took before
+      spent 10 us where 2 rows take 3 (B=4, q_len 1; B=2, q_len 2; the Triton kernel's B=1-2 steps).
+    * Beyond: as before, ~2 waves of CTAs of up to 16 rows and 16 / rows splits a round, so the grid stays ~500
+      CTAs (it launches whole for a step of J = 0). A step with one long request among short ones then merges its
+      splits with Q_LEN * H / 16 CTAs one round after another (10-19 us at B=64-128 S=32k where 2-row tiles take
+      3-5): a second, few-request tile chosen by the device's J measured that, but its kernels made other cells
+      up to 1.6x slower (NOTES), so it is not here."""
     row_requests = rows * j_max
     if row_requests <= 16 * 128:
         split_block = 16 if row_requests <= 4 * 128 else 8 if row_requests <= 8 * 128 else 4
-        return dict(combine_rows=2, combine_split_block=min(split_block, _pow2_at_least(max_splits)))
-    tile_rows = 2
+        return dict(combine_rows=2, combine_col_blocks=1,
+                    combine_split_block=min(split_block, _pow2_at_least(max_splits)))
+    tile_rows = 1
     while tile_rows < 16 and rows % (2 * tile_rows) == 0 and row_requests // (2 * tile_rows) >= 2 * num_sms:
         tile_rows *= 2
-    return dict(combine_rows=tile_rows, combine_split_block=min(16 // tile_rows, _pow2_at_least(max_splits)))
+    col_blocks = 1
+    while col_blocks < 4 and row_requests // tile_rows * col_blocks < 2 * num_sms:
+        col_blocks *= 2
+    # as many splits per load round as fit in one tile of COMBINE_TILE_ELEMENTS, at most the cap (a power of 2)
+    tile_columns = tile_rows * (KV_LORA_RANK // col_blocks)
+    split_block = 1
+    while split_block < max_splits and 2 * split_block * tile_columns <= COMBINE_TILE_ELEMENTS:
+        split_block *= 2
+    return dict(combine_rows=tile_rows, combine_col_blocks=col_blocks, combine_split_block=split_block)
 
 
 def _pow2_at_least(n: int) -> int:

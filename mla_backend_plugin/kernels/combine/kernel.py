@@ -8,7 +8,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from mla_backend_plugin.ops.constants import KV_LORA_RANK
-from mla_backend_plugin.ops.workspace import COMBINE_WARPS
 
 
 @triton.jit
@@ -95,14 +94,15 @@ def combine_balanced_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, split_index_ptr, kv_scale_ptr, kv_scale_val,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, ROWS: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1,
+    D_NOPE: tl.constexpr, SPLITS_P2: tl.constexpr, USE_PDL: tl.constexpr = False,
+    D_BLOCK: tl.constexpr = 512, SPLIT_BLOCK: tl.constexpr = 1,
 ):
-    """Balanced plan: grid (Q_LEN * H / ROWS, J_max); CTA (r, j) merges ROWS rows (all D_NOPE columns) of the
-    j-th split request, whose (b, S_b, n_b) the split kernel wrote to split_index[1 + 3 j:] (split_index[0] = J).
-    SPLIT_BLOCK partials are loaded per iteration as one (ROWS, SPLIT_BLOCK, D_NOPE) tile: a CTA merges up to
-    SPLIT_BLOCK splits with one round of independent loads instead of a chain of dependent ones (one L2 latency
-    each). SPLITS_P2 covers the most splits the plan gives a request (its long cap when it has one:
-    ops/workspace.py balanced_schedule). The tile is the plan's (ops/workspace.py ``combine_tiles``)."""
+    """Balanced plan: grid (cdiv(Q_LEN * H, ROWS), J_max, D_NOPE / D_BLOCK); CTA (r, j, c) merges columns
+    [c * D_BLOCK, (c + 1) * D_BLOCK) of ROWS rows of the j-th split request, whose (b, S_b, n_b) the split kernel
+    wrote to split_index[1 + 3 j:] (split_index[0] = J). SPLIT_BLOCK partials are loaded per iteration as one
+    (ROWS, SPLIT_BLOCK, D_BLOCK) tile: at small batches a CTA merges all of its splits with one round of
+    independent loads instead of a chain of n_b dependent ones (one L2 latency each). SPLITS_P2 covers the most
+    splits the plan gives a request (its long cap when it has one: ops/workspace.py balanced_schedule)."""
     if USE_PDL:
         gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
     j = tl.program_id(1)
@@ -122,7 +122,7 @@ def combine_balanced_kernel(
     s_ok = offs_s < n_splits
     part = (slot0 + offs_s[None, :]).to(tl.int64) * (Q_LEN * NUM_HEADS) + rows[:, None]
     lse_s = tl.load(part_lse_ptr + part, mask=s_ok[None, :], other=float("-inf"))
-    offs_d = tl.arange(0, D_NOPE)
+    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     offs_b = tl.arange(0, SPLIT_BLOCK)
     # the first round's partials are loaded before the LSEs are reduced (a reduction across warps is a barrier
     # the loads would otherwise wait behind): a request of at most SPLIT_BLOCK splits costs one load latency
@@ -143,8 +143,9 @@ def combine_balanced_kernel(
     h = rows % NUM_HEADS
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * stride_o_h + offs_d[None, :],
              (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
-    lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
+    if tl.program_id(2) == 0:
+        lse = tl.where(w_sum > 0.0, (lse_use + tl.log2(w_sum)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
 
 
 def scale_args(scale):
@@ -176,12 +177,13 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
     partials = workspace.partials_as(partial_dtype)
     if plan.balanced:
         rows = args.q_len * args.num_heads
-        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests)](
+        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
             out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
             kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
             D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.request_split_limit),
-            USE_PDL=use_pdl, SPLIT_BLOCK=plan.combine_split_block, num_warps=COMBINE_WARPS, **extra,
+            USE_PDL=use_pdl, D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block,
+            num_warps=4, **extra,
         )
         return
     combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](

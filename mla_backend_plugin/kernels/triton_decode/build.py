@@ -72,7 +72,6 @@ def triton_variants(cc: int):
     from mla_backend_plugin.kernels.triton_decode import kernel as k
     from mla_backend_plugin.kernels.triton_decode.config import config_for
     from mla_backend_plugin.ops.constants import KV_LORA_RANK
-    from mla_backend_plugin.ops.workspace import COMBINE_WARPS
 
     smem = next(a.smem_per_block for a in ARCHS.values() if a.cc_int == cc)
     kv_names = ["bf16"] + (["fp8"] if cc >= 89 else [])
@@ -99,17 +98,17 @@ def triton_variants(cc: int):
                           D_NOPE=KV_LORA_RANK, SPLITS_P2=8, USE_PDL=use_pdl)
         yield (f"combine_uniform h128 q2 splits=8{' pdl' if use_pdl else ''}", combine.combine_uniform_kernel,
                pointers, constexprs, dict(num_warps=4))
-    # the combine's tiles (ops/workspace.py combine_tiles): 2 rows x 16 splits a round (a few split requests) and
-    # 16 rows x 1 (a large batch), over fp32 partials (Triton, cute_sm100) and partials in the output dtype
-    # (cute_sm90)
-    for (rows, split_block), parts in itertools.product(((2, 16), (16, 1)), ("fp32", "bf16")):
-        yield (f"combine_balanced h128 q1 rows={rows} splits/round={split_block} parts={parts}",
+    # the tiles of a large batch (16 rows, one split per round) and of a few split requests (2 rows, 16 splits at
+    # once: ops/workspace.py combine_tiles), over fp32 partials (Triton, cute_sm100) and partials in the output
+    # dtype (cute_sm90)
+    for (rows, d_block, split_block), parts in itertools.product(((16, 512, 1), (2, 512, 16)), ("fp32", "bf16")):
+        yield (f"combine_balanced h128 q1 rows={rows} cols={d_block} splits/round={split_block} parts={parts}",
                combine.combine_balanced_kernel,
                {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": f"*{parts}", "part_lse_ptr": "*fp32",
                 "split_index_ptr": "*i32", "kv_scale_ptr": "*fp32", "kv_scale_val": "fp32"},
                {"NUM_HEADS": 128, "Q_LEN": 1, "ROWS": rows, "KV_SCALE_IS_PTR": True, "D_NOPE": KV_LORA_RANK,
-                "SPLITS_P2": 64, "USE_PDL": cc >= 90, "SPLIT_BLOCK": split_block},
-               dict(num_warps=COMBINE_WARPS))
+                "SPLITS_P2": 32, "USE_PDL": cc >= 90, "D_BLOCK": d_block, "SPLIT_BLOCK": split_block},
+               dict(num_warps=4))
 
 
 def build_triton(fn, pointers: dict, constexprs: dict, options: dict, cc: int):
