@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmark_scripts import import_benchmark
 
 
 def _bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_e2e
-    finally:
-        sys.path.pop(0)
-    return bench_e2e
+    return import_benchmark("bench_e2e")
 
 
 def test_dry_run_writes_a_deepseek_v3_width_config(tmp_path, capsys):
@@ -139,7 +132,6 @@ def test_start_times_keep_each_start_as_it_finishes(tmp_path, monkeypatch, packa
     ships them (as a source install starts), else with the background prebuild; every start runs the sweep's
     engine (max_num_seqs = the largest batch)."""
     import argparse
-    import os
 
     bench = _bench()
     monkeypatch.setattr(bench, "packaged_kernels", lambda: packaged)
