@@ -152,22 +152,15 @@ def combine_tiles(rows: int, j_max: int, max_splits: int, num_sms: int) -> dict:
       3-5): a second, few-request tile chosen by the device's J measured that, but its kernels made other cells
       up to 1.6x slower (NOTES), so it is not here."""
     row_requests = rows * j_max
+    tile_rows = 2
     if row_requests <= 16 * 128:
         split_block = 16 if row_requests <= 4 * 128 else 8 if row_requests <= 8 * 128 else 4
-        return dict(combine_rows=2, combine_col_blocks=1,
-                    combine_split_block=min(split_block, _pow2_at_least(max_splits)))
-    tile_rows = 1
-    while tile_rows < 16 and rows % (2 * tile_rows) == 0 and row_requests // (2 * tile_rows) >= 2 * num_sms:
-        tile_rows *= 2
-    col_blocks = 1
-    while col_blocks < 4 and row_requests // tile_rows * col_blocks < 2 * num_sms:
-        col_blocks *= 2
-    # as many splits per load round as fit in one tile of COMBINE_TILE_ELEMENTS, at most the cap (a power of 2)
-    tile_columns = tile_rows * (KV_LORA_RANK // col_blocks)
-    split_block = 1
-    while split_block < max_splits and 2 * split_block * tile_columns <= COMBINE_TILE_ELEMENTS:
-        split_block *= 2
-    return dict(combine_rows=tile_rows, combine_col_blocks=col_blocks, combine_split_block=split_block)
+    else:  # past 4 x num_sms row-requests (any GPU of <= 512 SMs) the old rule's tiles had >= 2 rows, all columns
+        while tile_rows < 16 and rows % (2 * tile_rows) == 0 and row_requests // (2 * tile_rows) >= 2 * num_sms:
+            tile_rows *= 2
+        split_block = COMBINE_TILE_ELEMENTS // (tile_rows * KV_LORA_RANK)  # as many splits as fill one tile
+    return dict(combine_rows=tile_rows, combine_col_blocks=1,
+                combine_split_block=min(split_block, _pow2_at_least(max_splits)))
 
 
 def _pow2_at_least(n: int) -> int:
