@@ -5,7 +5,7 @@ import, so a test or a launcher may set it late. A value outside the allowed one
 naming the variable and what it allows. Explicit arguments (``mla_decode(..., enable_pdl=...)``, a
 ``LaunchConfig``) always win over the environment; the environment only supplies defaults.
 
-README.md's table of variables is ``python -m mla_backend_plugin.envs``; a CPU test checks they agree.
+docs/environment.md's table of variables is ``python -m mla_backend_plugin.envs``; a CPU test checks they agree.
 """
 
 from __future__ import annotations
