@@ -120,3 +120,63 @@ def test_model_schedules_table():
         assert ideal <= contiguous and ideal <= lpt <= by_w
         if kind == "none" and batch >= 8:
             assert contiguous <= 1.04 * ideal + 2 * model_schedules.PIECE_COST + model_schedules.LAUNCH_COST
+
+
+def _bench_module(name: str):
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_mma_dtype_of_every_runner_in_fp8_and_bf16_cells():
+    """The floor a row gets follows the MMA dtype its kernel runs: cute_sm90 by its fp8 design (the default picks
+    design A for a 16-bit q at batch <= 2, design B otherwise), Triton widens the cache, FlashMLA runs fp8 wgmma,
+    FlashInfer's SM90 kernel dequantises to bf16; every benchmarkable kernel of ours declares its dtype."""
+    bench = _bench_module("bench_decode")
+    from mla_backend_plugin.ops.manifest import LaunchConfig
+
+    sm90 = (9, 0)
+    fp8_big, fp8_small = bench.Cell(64, 8192, 1, "fp8"), bench.Cell(1, 8192, 1, "fp8")
+    bf16 = bench.Cell(64, 8192, 1, "bf16")
+    cute = bench.OurKernel("cute_sm90", "bf16", False)
+    cute_fp8q = bench.OurKernel("cute_sm90", "fp8", True)
+    assert cute.mma_dtype(fp8_big, sm90) == "fp8" and cute.mma_dtype(fp8_small, sm90) == "bf16"
+    assert cute_fp8q.mma_dtype(fp8_small, sm90) == "fp8" and cute.mma_dtype(bf16, sm90) == "bf16"
+    dequant = bench.OurKernel("cute_sm90", "bf16", False, config=LaunchConfig(fp8_design="dequant"))
+    assert dequant.mma_dtype(fp8_big, sm90) == "bf16"
+    assert bench.OurKernel("triton", "fp8", True).mma_dtype(fp8_big, sm90) == "bf16"
+    assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, sm90) == "fp16"
+    assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, (12, 0)) == "fp8"
+    assert bench.TunedAuto((), 0.1, False).mma_dtype(fp8_big, sm90) == bench.report.MMA_UNKNOWN
+    peers = bench.PEERS
+    assert peers["flashmla"].mma_dtype(fp8_big, sm90) == "fp8" and peers["flashmla"].mma_dtype(bf16, sm90) == "bf16"
+    assert peers["flashinfer_mla"].mma_dtype(fp8_big, sm90) == "bf16"
+    assert peers["flashinfer_mla"].mma_dtype(fp8_big, (10, 0)) == "fp8"
+    assert peers["triton_mla"].mma_dtype(fp8_big, sm90) == "bf16"
+    for kernel in bench.available_kernels():
+        if kernel in bench.NOT_BENCHMARKED_KERNELS:
+            continue
+        args = bench.meta_args(fp8_big, "fp8")
+        cc = (12, 0) if kernel == "xqa_sm120" else (10, 0) if "sm100" in kernel or "flashinfer" in kernel else sm90
+        config = bench.LaunchConfig() if kernel != "cute_sm90" else None
+        assert bench.our_mma_dtype(kernel, config, args, cc) in bench.report.MMA_DTYPES, kernel
+    try:
+        bench.our_mma_dtype("no_such_kernel", bench.LaunchConfig(), bench.meta_args(fp8_big, "fp8"), sm90)
+    except ValueError as e:
+        assert "FP8_CACHE_MMA_DTYPES" in str(e)
+    else:
+        raise AssertionError("an undeclared kernel got an MMA dtype")
+
+
+def test_bench_dry_run_names_each_kernels_mma_dtype():
+    proc = _run("benchmarks/bench_decode.py", "--dry-run", "--quick", "--kernels", "cute_sm90", "--ours-fp8-q",
+                "fp8,bf16", "--peers", "flashmla", "--assume-sm", "90")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "MMA dtype: fp8 in 8 fp8 cell(s)" in out, out[-3000:]  # cute_sm90/fp8q: design B in every fp8 cell
+    assert "MMA dtype: bf16 in 8 bf16 cell(s); bf16 in 4 fp8 cell(s); fp8 in 4 fp8 cell(s)" in out  # A at B=1
+    assert "MMA dtype: bf16 in 8 bf16 cell(s); fp8 in 8 fp8 cell(s)" in out  # flashmla (block 64, every B)
