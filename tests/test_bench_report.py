@@ -180,3 +180,31 @@ def test_bench_dry_run_names_each_kernels_mma_dtype():
     assert "MMA dtype: fp8 in 8 fp8 cell(s)" in out, out[-3000:]  # cute_sm90/fp8q: design B in every fp8 cell
     assert "MMA dtype: bf16 in 8 bf16 cell(s); bf16 in 4 fp8 cell(s); fp8 in 4 fp8 cell(s)" in out  # A at B=1
     assert "MMA dtype: bf16 in 8 bf16 cell(s); fp8 in 8 fp8 cell(s)" in out  # flashmla (block 64, every B)
+
+
+def test_ncu_summary_picks_the_budget_metrics(tmp_path):
+    """benchmarks/ncu_decode.py --summarize: the budget's metrics and the largest stall reasons out of an ncu raw
+    CSV export (ncu's own ==PROF== lines skipped), and a clear message for a file that is not one."""
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+              "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+              "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__warps_eligible.avg.per_cycle_active",
+              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"]
+    units = ["", "", "us", "%", "%", "", "warp", "ratio", "ratio", "ratio"]
+    row = ["0", "kernel_Sm90MlaDecodeFp8Mma", "448.2", "41.6", "55.0", "1,234,567", "0.51", "4.7", "1.2", "9.9"]
+    raw = tmp_path / "raw.csv"
+    raw.write_text("==PROF== Disconnected\n" + "\n".join(",".join(f'"{v}"' for v in r) for r in (header, units, row)))
+    proc = _run("benchmarks/ncu_decode.py", "--summarize", str(raw))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for text in ("kernel_Sm90MlaDecodeFp8Mma", "gpu__time_duration.sum", "448.2", "41.6", "55.0", "1,234,567",
+                 "0.51"):
+        assert text in out, out
+    stalls = out[out.index("stalls per issued instruction"):]
+    assert stalls.index("long_scoreboard") < stalls.index("barrier") and "not_issued" not in stalls
+    assert "(no metric matching" in out  # e.g. no launch__ metrics in this export: said, not hidden
+    bad = tmp_path / "bad.csv"
+    bad.write_text("nothing\n")
+    proc = _run("benchmarks/ncu_decode.py", "--summarize", str(bad))
+    assert proc.returncode != 0 and "no ncu raw CSV" in proc.stderr
