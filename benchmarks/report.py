@@ -145,12 +145,12 @@ def fill_metrics(row: dict, hbm_bytes_per_s: float, peak_flops_per_s: float,
     flops = decode_flops(row["batch"], row["seq_len"], row["q_len"], row["num_heads"])
     nbytes = decode_bytes(row["batch"], row["seq_len"], row["q_len"], row["num_heads"], row["block_size"],
                           row["kv_dtype"], row["q_dtype"])
-    row["mma_dtype"] = row.get("mma_dtype") or "bf16"
+    mma_dtype = row.get("mma_dtype") or "bf16"
     peaks = {"bf16": peak_flops_per_s, "fp16": peak_flops_per_s, "fp8": fp8_peak_flops_per_s}
     memory_s = nbytes / hbm_bytes_per_s
     row["floor_bf16_us"] = max(memory_s, flops / peak_flops_per_s) * 1e6
-    mma_s = (None if row["mma_dtype"] == MMA_UNKNOWN else
-             mma_time_s(row["batch"], row["seq_len"], row["q_len"], row["num_heads"], row["mma_dtype"], peaks))
+    mma_s = (None if mma_dtype == MMA_UNKNOWN else
+             mma_time_s(row["batch"], row["seq_len"], row["q_len"], row["num_heads"], mma_dtype, peaks))
     row["floor_us"] = None if mma_s is None else max(memory_s, mma_s) * 1e6
     time_us = row.get("time_us")
     if time_us:

@@ -122,21 +122,13 @@ def test_model_schedules_table():
             assert contiguous <= 1.04 * ideal + 2 * model_schedules.PIECE_COST + model_schedules.LAUNCH_COST
 
 
-def _bench_module(name: str):
-    import importlib
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_mma_dtype_of_every_runner_in_fp8_and_bf16_cells():
     """The floor a row gets follows the MMA dtype its kernel runs: cute_sm90 by its fp8 design (the default picks
     design A for a 16-bit q at batch <= 2, design B otherwise), Triton widens the cache, FlashMLA runs fp8 wgmma,
     FlashInfer's SM90 kernel dequantises to bf16; every benchmarkable kernel of ours declares its dtype."""
-    bench = _bench_module("bench_decode")
+    from benchmark_scripts import import_benchmark
+
+    bench = import_benchmark("bench_decode")
     from mla_backend_plugin.ops.manifest import LaunchConfig
 
     sm90 = (9, 0)
