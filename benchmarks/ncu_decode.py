@@ -15,8 +15,9 @@ kernel, a combine).
 
 ``--summarize`` prints, per profiled kernel, the metrics the cycle budget of docs/design/sm90_decode_budget.md
 is checked against (each a regular expression over ncu's raw metric names, so one list serves every ncu
-version that names them so): duration, DRAM throughput and bytes, tensor-pipe activity, shared-memory
-wavefronts and bank conflicts, eligible warps, and the six largest stall reasons per issued instruction.
+version that names them so): duration, DRAM throughput and bytes, L2 bytes and throughput, tensor-pipe activity,
+shared-memory wavefronts and bank conflicts, eligible warps, and the six largest stall reasons per issued
+instruction.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BUDGET_METRICS = (
     ("duration", r"^gpu__time_duration\.sum$"),
     ("grid / block", r"^launch__(grid_size|block_size|registers_per_thread|shared_mem_per_block_dynamic)$"),
     ("DRAM", r"^dram__(throughput\.avg\.pct_of_peak_sustained_elapsed|bytes_read\.sum|bytes_write\.sum)$"),
+    ("L2", r"^lts__(t_bytes\.sum|throughput\.avg\.pct_of_peak_sustained_elapsed|t_sector_hit_rate\.pct)$"),
     ("tensor pipe", r"^sm__(pipe_tensor_op_[a-z]+_cycles_active|inst_executed_pipe_tensor_op_[a-z]+)"
                     r"\.(avg\.pct_of_peak_sustained_(active|elapsed)|sum)$"),
     ("shared memory", r"^(l1tex__data_pipe_lsu_wavefronts_mem_shared(_op_ld|_op_st)?\.sum"
