@@ -351,9 +351,10 @@ def render_markdown(rows: Sequence[dict], meta: dict) -> str:
         header = ["B", "S"] + [f"floor {d}" for d in floor_dtypes] + [f"{k}" for k in kernels]
         for k in ours:
             header += [f"%floor {k}", f"x best peer {k}"]
-        lines += [f"## KV {kv_dtype}, q_len {q_len}", "",
-                  "MMA dtype: " + ", ".join(f"{k} {d}" for k, d in mma.items()) + ".", "",
-                  "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+        lines += [f"## KV {kv_dtype}, q_len {q_len}", ""]
+        if any(r.get("mma_dtype") for r in section):  # results of runs before mma_dtype existed have none
+            lines += ["MMA dtype: " + ", ".join(f"{k} {d}" for k, d in mma.items()) + ".", ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
         for key in cells:
             present = [by_key.get((key, k)) for k in kernels]
             floors = [_floor_of(present, d) for d in floor_dtypes]
@@ -685,6 +686,12 @@ def selftest(keep_dir: str | None = None) -> Path:
     assert "MMA dtype: triton bf16, flashmla fp8, triton_mla bf16." in fp8_section
     bf16_section = markdown[markdown.index("## KV bf16, q_len 1"):markdown.index("## KV bf16, q_len 2")]
     assert "| B | S | floor bf16 | triton |" in bf16_section and "floor fp8" not in bf16_section
+    # a results.json from before mma_dtype existed renders as before: one bf16 floor, no MMA legend
+    old_rows = [{k: v for k, v in r.items() if k not in ("mma_dtype", "floor_bf16_us")} for r in rows]
+    old_markdown = render_markdown(old_rows, {k: v for k, v in meta.items() if k != "fp8_peak_tflops"})
+    for absent in ("MMA dtype:", "floor fp8", "fp8 matmul peak (measured"):
+        assert absent not in old_markdown, absent
+    assert "| B | S | floor bf16 | triton |" in old_markdown
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) == 4 + 2, [p.name for p in pngs]  # 4 time plots + speedup + floor heatmaps of ours
     for p in pngs:
