@@ -689,7 +689,7 @@ def selftest(keep_dir: str | None = None) -> Path:
     # a results.json from before mma_dtype existed renders as before: one bf16 floor, no MMA legend
     old_rows = [{k: v for k, v in r.items() if k not in ("mma_dtype", "floor_bf16_us")} for r in rows]
     old_markdown = render_markdown(old_rows, {k: v for k, v in meta.items() if k != "fp8_peak_tflops"})
-    for absent in ("MMA dtype:", "floor fp8", "fp8 matmul peak (measured"):
+    for absent in ("\nMMA dtype: ", "floor fp8", "fp8 matmul peak (measured"):
         assert absent not in old_markdown, absent
     assert "| B | S | floor bf16 | triton |" in old_markdown
     pngs = [p for p in written if p.suffix == ".png"]
