@@ -315,7 +315,6 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
         rows[runner.name] = report.new_row(runner.name, runner.kind, cell_fields, q_dtype, status, reason or "")
         if not reason:
             rows[runner.name]["mma_dtype"] = runner.mma_dtype(cell, ctx.cc)
-        if not reason:
             active.append(runner)
 
     copies = kv_copies_for(cell.kv_bytes_per_copy, ctx.l2_bytes, args.l2_factor, args.max_kv_copies)
