@@ -54,6 +54,7 @@ from mla_backend_plugin.ops.timing import (
     capture_graph,
     kv_copies_for,
     measure_bf16_flops_per_s,
+    measure_fp8_flops_per_s,
     measure_hbm_bytes_per_s,
     time_graphs,
 )
@@ -125,6 +126,35 @@ def meta_args(cell: Cell, q_dtype_name: str):
                         kv_scale=one if cell.kv_dtype == "fp8" else None, out_dtype=torch.bfloat16)
 
 
+# Operand dtype of our kernels' tensor-core products with an fp8 cache (report.MMA_DTYPES); with a 16-bit cache
+# every kernel of ours runs its MMAs in the cache's dtype. cute_sm90 follows its fp8 design (fp8mma, "design B":
+# e4m3 wgmma for Q K^T, on q split into e4m3 hi + lo when q is 16-bit, and for P V on a transposed V; dequant,
+# "design A": the tile widened to 16 bits); triton widens the cache to q's 16-bit dtype before tl.dot; xqa_sm120
+# runs the native e4m3 mma on SM120/121 and emulates it with f16 HMMA in its sm_90a build; cute_sm100 and the
+# FlashInfer SM100 adapters run e4m3 MMAs (kind::f8f6f4 / trtllm-gen).
+FP8_CACHE_MMA_DTYPES = {
+    "triton": "bf16",
+    "cute_sm100": "fp8",
+    "flashinfer_cute_dsl": "fp8",
+    "flashinfer_trtllm": "fp8",
+}
+
+
+def our_mma_dtype(kernel: str, config: LaunchConfig | None, args, cc) -> str:
+    """The MMA dtype ``kernel`` runs for the call ``args`` (meta tensors) under ``config`` (None: its default)."""
+    if args.kv_dtype != peers.FP8_DTYPE:
+        return "fp16" if args.q_dtype == torch.float16 else "bf16"
+    if kernel == "cute_sm90":
+        chosen = config or KERNELS[kernel].default_config(args, tuple(cc) if cc else None)
+        return "fp8" if (chosen.fp8_design or "fp8mma") == "fp8mma" else "bf16"
+    if kernel == "xqa_sm120":
+        return "fp8" if cc is not None and cc[0] == 12 else "fp16"
+    if kernel not in FP8_CACHE_MMA_DTYPES:
+        raise ValueError(f"kernel {kernel!r}: its MMA dtype with an fp8 cache is not declared; add it to "
+                         f"FP8_CACHE_MMA_DTYPES (known: cute_sm90, xqa_sm120, {', '.join(FP8_CACHE_MMA_DTYPES)})")
+    return FP8_CACHE_MMA_DTYPES[kernel]
+
+
 class OurKernel:
     """One of our kernels (its default config, or one ``config`` of its ``configs()``: ``kernel:config``)."""
 
@@ -147,6 +177,9 @@ class OurKernel:
 
     def query_dtype(self, cell: Cell, cc) -> str:
         return self.fp8_query if cell.kv_dtype == "fp8" else "bf16"
+
+    def mma_dtype(self, cell: Cell, cc) -> str:
+        return our_mma_dtype(self.kernel, self.config, meta_args(cell, self.query_dtype(cell, cc)), cc)
 
     def unsupported_reason(self, cell: Cell, cc) -> str | None:
         """The registry's own verdict, on meta tensors of the cell's shapes (no device memory)."""
@@ -201,6 +234,9 @@ class TunedAuto(OurKernel):
     def unsupported_reason(self, cell: Cell, cc) -> str | None:
         return "needs a CUDA device" if cc is None else None
 
+    def mma_dtype(self, cell: Cell, cc) -> str:
+        return report.MMA_UNKNOWN  # the tuned winner's: its own row of the cell (kernel:config) says which
+
     def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
         q, q_scale = inputs.query("bf16")
         kv_scale = inputs.kv_scale_tensor()
@@ -245,7 +281,8 @@ class RunContext:
     cc: tuple[int, int]
     l2_bytes: int
     hbm_bytes_per_s: float
-    peak_flops_per_s: float
+    peak_flops_per_s: float  # measured bf16 matmul peak
+    fp8_peak_flops_per_s: float | None  # measured fp8 matmul peak (None: no fp8 matmul on the device)
     unavailable: dict[str, str]  # runner name -> why it cannot run at all
     args: argparse.Namespace
 
@@ -277,6 +314,7 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
         status = report.NOT_APPLICABLE if reason else report.OK
         rows[runner.name] = report.new_row(runner.name, runner.kind, cell_fields, q_dtype, status, reason or "")
         if not reason:
+            rows[runner.name]["mma_dtype"] = runner.mma_dtype(cell, ctx.cc)
             active.append(runner)
 
     copies = kv_copies_for(cell.kv_bytes_per_copy, ctx.l2_bytes, args.l2_factor, args.max_kv_copies)
@@ -350,7 +388,7 @@ def run_cell(cell: Cell, runners: list, ctx: RunContext) -> list[dict]:
         torch.cuda.empty_cache()
 
     for row in rows.values():
-        report.fill_metrics(row, ctx.hbm_bytes_per_s, ctx.peak_flops_per_s)
+        report.fill_metrics(row, ctx.hbm_bytes_per_s, ctx.peak_flops_per_s, ctx.fp8_peak_flops_per_s)
     return [rows[runner.name] for runner in runners]
 
 
@@ -555,6 +593,14 @@ def dry_run(args, cells: list[Cell], runners: list) -> None:
         ok, reason = runner.available()
         print(f"  {runner.kind:4}  {runner.name:15} {'yes' if ok else 'no '}  {reason}")
         print(f"        {'':15}      {runner.description}")
+        mma: dict[tuple[str, str], int] = {}  # (MMA dtype, KV dtype) -> cells
+        for cell in cells:
+            if runner.unsupported_reason(cell, cc) is None:
+                key = (runner.mma_dtype(cell, cc), cell.kv_dtype)
+                mma[key] = mma.get(key, 0) + 1
+        if mma:
+            print(f"        {'':15}      MMA dtype: " + "; ".join(
+                f"{dtype} in {n} {kv} cell(s)" for (dtype, kv), n in mma.items()))
     skipped = [name for name in PEERS if name not in args.peers]
     if skipped:
         print(f"  not selected: {', '.join(skipped)} (--peers / --with-flashinfer)")
@@ -671,14 +717,18 @@ def main(argv=None) -> int:
 
     hbm = measure_hbm_bytes_per_s(device)
     peak = measure_bf16_flops_per_s(device)
+    fp8_peak = measure_fp8_flops_per_s(device)
     gc.collect()
     torch.cuda.empty_cache()
+    fp8_text = "none" if fp8_peak is None else f"{fp8_peak / 1e12:.0f} TFLOP/s"
     print(f"{props.name}: SM{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB; "
-          f"measured HBM {hbm / 1e9:.0f} GB/s (copy, read + write), bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+          f"measured HBM {hbm / 1e9:.0f} GB/s (copy, read + write), bf16 matmul {peak / 1e12:.0f} TFLOP/s, "
+          f"fp8 matmul {fp8_text}")
 
     out_dir = args.out_dir or default_out_dir(args, props.name)
     meta = dict(device_name=props.name, compute_capability=f"{cc[0]}.{cc[1]}", sm_count=props.multi_processor_count,
                 l2_mib=props.L2_cache_size / 2**20, hbm_gbps=hbm / 1e9, peak_tflops=peak / 1e12,
+                fp8_peak_tflops=None if fp8_peak is None else fp8_peak / 1e12,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 command=" ".join(["python"] + (sys.argv if argv is None else [sys.argv[0], *argv])),
                 grid=f"{args.grid_name}: B {list(args.batches)} x S {list(args.seq_lens)} x q_len "
@@ -692,7 +742,7 @@ def main(argv=None) -> int:
                             l2_factor=args.l2_factor, max_kv_copies=args.max_kv_copies),
                 softmax_scale=args.softmax_scale, seed=args.seed)
     ctx = RunContext(device=device, cc=cc, l2_bytes=props.L2_cache_size, hbm_bytes_per_s=hbm,
-                     peak_flops_per_s=peak, unavailable=unavailable, args=args)
+                     peak_flops_per_s=peak, fp8_peak_flops_per_s=fp8_peak, unavailable=unavailable, args=args)
 
     rows: list[dict] = []
     bar = progress(cells, "MLA decode")

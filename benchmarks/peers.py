@@ -158,6 +158,11 @@ class Peer:
     def query_dtype(self, cell: Cell, cc) -> str:
         return "bf16"
 
+    def mma_dtype(self, cell: Cell, cc) -> str:
+        """Operand dtype of the peer's Q K^T and P V tensor-core products in this cell (report.MMA_DTYPES, or
+        "QK/PV" when they differ): bf16 unless the peer says otherwise (an fp8 cache widened before its MMAs)."""
+        return "bf16"
+
     def prepare(self, cell: Cell, inputs: DecodeInputs) -> PeerCall:
         raise NotImplementedError
 
@@ -200,6 +205,11 @@ class VllmFlashMLA(Peer):
 
     def query_dtype(self, cell, cc):
         return "fp8" if cell.kv_dtype == "fp8" else "bf16"  # FlashMLAImpl keeps supports_quant_query_input
+
+    def mma_dtype(self, cell, cc):
+        # vLLM's vendored SM90 dense fp8 kernel (FlashMLA PR 54, csrc/extension/sm90/dense_fp8): Q K^T as an SS
+        # e4m3 wgmma, P V as an RS e4m3 wgmma on V transposed in shared memory
+        return "fp8" if cell.kv_dtype == "fp8" else "bf16"
 
     def prepare(self, cell, inputs):
         ops = self.modules()
@@ -365,6 +375,11 @@ class FlashInferMLA(Peer):
     def query_dtype(self, cell, cc):
         # SM90 fa3 wrapper: fp8 KV "only supports q_data_type=torch.bfloat16"; SM100: vLLM quantises q.
         return "fp8" if cell.kv_dtype == "fp8" and cc is not None and cc[0] == 10 else "bf16"
+
+    def mma_dtype(self, cell, cc):
+        # SM90 (0.6.14 mla_hopper.cuh): an fp8 cache is dequantised to bf16 in shared memory before bf16 wgmmas;
+        # SM100 trtllm-gen takes the fp8 q and cache as they are
+        return self.query_dtype(cell, cc)
 
     def prepare(self, cell, inputs):
         cc = torch.cuda.get_device_capability(inputs.device)

@@ -37,10 +37,10 @@ OK, WRONG, NOT_APPLICABLE, ERROR, SKIPPED = "ok", "wrong", "n/a", "error", "skip
 OURS, PEER = "ours", "peer"
 
 COLUMNS = (
-    "kernel", "kind", "batch", "seq_len", "q_len", "kv_dtype", "q_dtype", "num_heads", "block_size",
+    "kernel", "kind", "batch", "seq_len", "q_len", "kv_dtype", "q_dtype", "mma_dtype", "num_heads", "block_size",
     "status", "time_us", "time_us_p10", "time_us_p90", "tflops", "gbps", "floor_us", "frac_of_floor",
-    "speedup_vs_best_peer", "best_peer", "max_abs_err", "lse_max_abs_err", "kv_copies", "calls_per_graph",
-    "replays", "note",
+    "floor_bf16_us", "speedup_vs_best_peer", "best_peer", "max_abs_err", "lse_max_abs_err", "kv_copies",
+    "calls_per_graph", "replays", "note",
 )
 CELL_KEYS = ("batch", "seq_len", "q_len", "kv_dtype", "num_heads", "block_size")
 
@@ -52,6 +52,8 @@ COLUMN_HELP = {
     "q_len": "query tokens per request (1 = plain decode, 2 = one speculative token)",
     "kv_dtype": "KV-cache dtype (fp8 = float8_e4m3fn with a per-tensor scale)",
     "q_dtype": "query dtype this kernel was given (vLLM quantises q to fp8 for backends that take it)",
+    "mma_dtype": "operand dtype of the kernel's tensor-core products: one dtype for both, or QK/PV when they "
+                 "differ (bf16 = an fp8 cache widened before its MMAs; see MMA_DTYPE_HELP)",
     "status": "ok | wrong (output differs from the float32 reference: not timed) | n/a (unsupported, see note) "
               "| error (raised, see note) | skipped (does not fit in GPU memory)",
     "time_us": "median time of one decode call in microseconds (CUDA-graph replays, KV rotated past L2)",
@@ -59,8 +61,14 @@ COLUMN_HELP = {
     "time_us_p90": "90th percentile of the per-replay times",
     "tflops": "useful TFLOP/s: 2 * H * (576 + 512) per visible (query row, key) pair",
     "gbps": "GB/s over the minimal bytes: KV read + q read + out written + block table read",
-    "floor_us": "roofline floor max(bytes / measured HBM bandwidth, flops / measured bf16 peak)",
-    "frac_of_floor": "floor_us / time_us (1.0 = at the roofline of the measured copy bandwidth / matmul peak)",
+    "floor_us": "roofline floor of the kernel's MMA dtype: max(bytes / measured HBM bandwidth, Q K^T flops / "
+                "measured peak of its dtype + P V flops / peak of its dtype); fp8 MMAs use the measured fp8 "
+                "matmul peak, bf16 / fp16 the bf16 one; empty for an fp8 MMA when no fp8 peak was measured",
+    "frac_of_floor": "floor_us / time_us (1.0 = at the roofline of the measured copy bandwidth / the matmul peak "
+                     "of the kernel's MMA dtype)",
+    "floor_bf16_us": "max(bytes / measured HBM bandwidth, flops / measured bf16 matmul peak): the floor of a "
+                     "kernel whose MMAs run in bf16 (floor_us of every bf16 kernel; the floor printed before fp8 "
+                     "MMA floors existed)",
     "speedup_vs_best_peer": "ours only: time of the fastest correct peer in the cell / our time (>1 = we win)",
     "best_peer": "ours only: the fastest correct peer in the cell",
     "max_abs_err": "max |out - reference| over the whole output (float32 reference, same inputs)",
@@ -97,18 +105,58 @@ def decode_bytes(batch: int, seq_len: int, q_len: int, num_heads: int, block_siz
     return kv + q + out + block_table
 
 
-def fill_metrics(row: dict, hbm_bytes_per_s: float, peak_flops_per_s: float) -> dict:
-    """Add floor_us to a row, and tflops / gbps / frac_of_floor when it has a time."""
+# Tensor-core operand dtypes a row's ``mma_dtype`` may name (per product: "fp8" or "QK/PV", e.g. "fp8/bf16").
+MMA_DTYPES = ("bf16", "fp16", "fp8")
+MMA_UNKNOWN = "?"  # a runner that picks its kernel per cell (bench_decode's tuned `auto`): no floor of its own
+MMA_DTYPE_HELP = ("`mma_dtype` = operand dtype of Q K^T and P V on the tensor cores (QK/PV when they differ); an "
+                  "fp8 cache widened to 16 bits before its MMAs counts as bf16/fp16. A kernel that splits a 16-bit "
+                  "q into e4m3 hi + lo runs Q K^T twice in fp8; its floor still counts the useful flops once")
+
+
+def mma_dtype_pair(mma_dtype: str) -> tuple[str, str]:
+    """("QK dtype", "PV dtype") of an ``mma_dtype`` ("fp8" or "fp8/bf16"); ValueError names the allowed values."""
+    qk, _, pv = mma_dtype.partition("/")
+    pair = (qk, pv or qk)
+    for d in pair:
+        if d not in MMA_DTYPES:
+            raise ValueError(f"mma_dtype {mma_dtype!r}: each product's dtype must be one of {', '.join(MMA_DTYPES)}")
+    return pair
+
+
+def mma_time_s(batch: int, seq_len: int, q_len: int, num_heads: int, mma_dtype: str,
+               peaks: dict[str, float | None]) -> float | None:
+    """Tensor-core time of the useful flops: Q K^T (576 dims) at its dtype's peak plus P V (512) at its own; None
+    when a dtype it needs has no measured peak."""
+    keys = num_heads * visible_keys_per_request(seq_len, q_len) * batch
+    total = 0.0
+    for dtype, dims in zip(mma_dtype_pair(mma_dtype), (QK_HEAD_DIM, KV_LORA_RANK)):
+        peak = peaks.get(dtype)
+        if not peak:
+            return None
+        total += 2 * keys * dims / peak
+    return total
+
+
+def fill_metrics(row: dict, hbm_bytes_per_s: float, peak_flops_per_s: float,
+                 fp8_peak_flops_per_s: float | None = None) -> dict:
+    """Add floor_us (the floor of the row's MMA dtype; a row without one counts as bf16) and floor_bf16_us to a
+    row, and tflops / gbps / frac_of_floor when it has a time. ``peak_flops_per_s`` is the measured bf16 matmul
+    peak (fp16 MMAs run at the same rate on the GPUs measured), ``fp8_peak_flops_per_s`` the fp8 one."""
     flops = decode_flops(row["batch"], row["seq_len"], row["q_len"], row["num_heads"])
     nbytes = decode_bytes(row["batch"], row["seq_len"], row["q_len"], row["num_heads"], row["block_size"],
                           row["kv_dtype"], row["q_dtype"])
-    floor_s = max(nbytes / hbm_bytes_per_s, flops / peak_flops_per_s)
-    row["floor_us"] = floor_s * 1e6
+    mma_dtype = row.get("mma_dtype") or "bf16"
+    peaks = {"bf16": peak_flops_per_s, "fp16": peak_flops_per_s, "fp8": fp8_peak_flops_per_s}
+    memory_s = nbytes / hbm_bytes_per_s
+    row["floor_bf16_us"] = max(memory_s, flops / peak_flops_per_s) * 1e6
+    mma_s = (None if mma_dtype == MMA_UNKNOWN else
+             mma_time_s(row["batch"], row["seq_len"], row["q_len"], row["num_heads"], mma_dtype, peaks))
+    row["floor_us"] = None if mma_s is None else max(memory_s, mma_s) * 1e6
     time_us = row.get("time_us")
     if time_us:
         row["tflops"] = flops / (time_us * 1e-6) / 1e12
         row["gbps"] = nbytes / (time_us * 1e-6) / 1e9
-        row["frac_of_floor"] = row["floor_us"] / time_us
+        row["frac_of_floor"] = None if row["floor_us"] is None else row["floor_us"] / time_us
     return row
 
 
@@ -237,6 +285,37 @@ def _cell_text(row: dict | None) -> str:
     return row["status"]
 
 
+def _section_mma_dtypes(section: Sequence[dict], kernels: Sequence[str]) -> dict[str, str]:
+    """kernel -> its MMA dtype in a section (the dtypes of its rows joined by ' or ' if they differ by cell; rows
+    of cells the kernel does not support are left out)."""
+    out = {}
+    for k in kernels:
+        dtypes = list(dict.fromkeys(r.get("mma_dtype") or "bf16" for r in section
+                                    if r["kernel"] == k and r["status"] != NOT_APPLICABLE))
+        if dtypes:
+            out[k] = " or ".join(dtypes)
+    return out
+
+
+def _floor_dtypes(section: Sequence[dict]) -> list[str]:
+    """The MMA dtypes whose floors a section shows: bf16 always, then every other dtype a row runs."""
+    return list(dict.fromkeys(["bf16"] + [r.get("mma_dtype") or "bf16" for r in section
+                                          if r["status"] != NOT_APPLICABLE and r.get("mma_dtype") != MMA_UNKNOWN]))
+
+
+def _floor_of(present: Sequence[dict | None], mma_dtype: str) -> float | None:
+    """The cell's floor for MMAs in ``mma_dtype``: the first row's bf16 floor, or the floor_us of the first row
+    whose kernel runs that dtype."""
+    for r in present:
+        if r is None:
+            continue
+        if mma_dtype == "bf16" and r.get("floor_bf16_us"):
+            return r["floor_bf16_us"]
+        if (r.get("mma_dtype") or "bf16") == mma_dtype and r.get("floor_us"):
+            return r["floor_us"]
+    return None
+
+
 def render_markdown(rows: Sequence[dict], meta: dict) -> str:
     kernels = _kernel_order(rows)
     ours = [k for k in kernels if any(r["kernel"] == k and r["kind"] == OURS for r in rows)]
@@ -244,14 +323,15 @@ def render_markdown(rows: Sequence[dict], meta: dict) -> str:
     lines = [f"# MLA decode benchmark: {meta.get('device_name', '?')}", ""]
     for label, key in (("date", "date"), ("command", "command"), ("grid", "grid"),
                        ("HBM bandwidth (measured, device-to-device copy, read + write bytes)", "hbm_gbps"),
-                       ("bf16 matmul peak (measured, 8192^3)", "peak_tflops"), ("L2 cache", "l2_mib"),
-                       ("versions", "versions")):
+                       ("bf16 matmul peak (measured, 8192^3)", "peak_tflops"),
+                       ("fp8 matmul peak (measured, 8192^3 e4m3, fast accumulation)", "fp8_peak_tflops"),
+                       ("L2 cache", "l2_mib"), ("versions", "versions")):
         if key in meta:
             value = meta[key]
             if key == "hbm_gbps":
                 value = f"{value:.0f} GB/s"
-            elif key == "peak_tflops":
-                value = f"{value:.0f} TFLOP/s"
+            elif key in ("peak_tflops", "fp8_peak_tflops"):
+                value = "not measured (no fp8 matmul on this device)" if value is None else f"{value:.0f} TFLOP/s"
             elif key == "l2_mib":
                 value = f"{value:.0f} MiB"
             elif key == "command":
@@ -259,20 +339,26 @@ def render_markdown(rows: Sequence[dict], meta: dict) -> str:
             lines.append(f"- {label}: {value}")
     lines += ["", "Times are microseconds per decode call (median of CUDA-graph replays, KV rotated past L2); "
               "`wrong` = output differs from the float32 reference (not timed); `n/a` / `error` / `skipped`: "
-              "see the notes below. `floor` = max(bytes / HBM, flops / peak); `%floor` = floor / time; "
-              "`x best peer` = fastest correct peer's time / ours.", ""]
+              "see the notes below. `floor <dtype>` = max(bytes / HBM, flops / the matmul peak of an MMA in that "
+              "dtype) (q_dtype changes the bytes a little: the column shows the first kernel's); `%floor` = the "
+              "kernel's own floor (its MMA dtype) / time; `x best peer` = fastest correct peer's time / ours. "
+              + MMA_DTYPE_HELP + ".", ""]
     for kv_dtype, q_len in _sections(rows):
         section = [r for r in rows if r["kv_dtype"] == kv_dtype and r["q_len"] == q_len]
         cells = sorted({cell_key(r) for r in section})
-        header = ["B", "S", "floor"] + [f"{k}" for k in kernels]
+        mma = _section_mma_dtypes(section, kernels)
+        floor_dtypes = _floor_dtypes(section)
+        header = ["B", "S"] + [f"floor {d}" for d in floor_dtypes] + [f"{k}" for k in kernels]
         for k in ours:
             header += [f"%floor {k}", f"x best peer {k}"]
-        lines += [f"## KV {kv_dtype}, q_len {q_len}", "", "| " + " | ".join(header) + " |",
-                  "|" + "---:|" * len(header)]
+        lines += [f"## KV {kv_dtype}, q_len {q_len}", ""]
+        if any(r.get("mma_dtype") for r in section):  # results of runs before mma_dtype existed have none
+            lines += ["MMA dtype: " + ", ".join(f"{k} {d}" for k, d in mma.items()) + ".", ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
         for key in cells:
             present = [by_key.get((key, k)) for k in kernels]
-            floor = next((r["floor_us"] for r in present if r and r.get("floor_us")), None)
-            cols = [str(key[0]), str(key[1]), _fmt(floor)] + [_cell_text(r) for r in present]
+            floors = [_floor_of(present, d) for d in floor_dtypes]
+            cols = [str(key[0]), str(key[1])] + [_fmt(f) for f in floors] + [_cell_text(r) for r in present]
             for k in ours:
                 r = by_key.get((key, k))
                 frac = r.get("frac_of_floor") if r else None
@@ -329,10 +415,16 @@ def plot_time_vs_seq_len(rows: Sequence[dict], path: Path, kv_dtype: str, q_len:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, batch in zip(axes.flat, batches):
         in_batch = [r for r in section if r["batch"] == batch]
-        floor = {r["seq_len"]: r["floor_us"] for r in in_batch if r.get("floor_us")}
-        if floor:
-            xs = sorted(floor)
-            ax.plot(xs, [floor[x] for x in xs], color="0.6", linestyle=":", linewidth=1.5, label="floor")
+        for dtype, shade in zip(_floor_dtypes(in_batch), ("0.6", "0.35", "0.8")):
+            floor = {}
+            for seq_len in sorted({r["seq_len"] for r in in_batch}):
+                value = _floor_of([r for r in in_batch if r["seq_len"] == seq_len], dtype)
+                if value:
+                    floor[seq_len] = value
+            if floor:
+                xs = sorted(floor)
+                ax.plot(xs, [floor[x] for x in xs], color=shade, linestyle=":", linewidth=1.5,
+                        label=f"floor {dtype} MMA")
         for i, kernel in enumerate(kernels):
             pts = sorted((r["seq_len"], r["time_us"]) for r in in_batch
                          if r["kernel"] == kernel and r["status"] == OK)
@@ -447,7 +539,8 @@ def write_plots(rows: Sequence[dict], plot_dir: Path) -> list[Path]:
             written.append(path)
         path = plot_dir / f"frac_of_floor_{slug}.png"
         if plot_cell_heatmaps(rows, path, kernel, "frac_of_floor",
-                              f"{kernel}: fraction of the roofline floor reached", centre_at_one=False):
+                              f"{kernel}: fraction of the roofline floor of its MMA dtype reached",
+                              centre_at_one=False):
             written.append(path)
     return written
 
@@ -472,9 +565,14 @@ def write_report(rows: Sequence[dict], meta: dict, out_dir: Path, plots: bool = 
 # Self-test (CPU): fake results through every writer
 # ----------------------------------------------------------------------------------------------------------
 
+def _fake_mma_dtype(kernel: str, kv_dtype: str) -> str:
+    """fp8 cells: flashmla runs both products in fp8, the others widen the cache to bf16."""
+    return "fp8" if kv_dtype == "fp8" and kernel == "flashmla" else "bf16"
+
+
 def _fake_rows() -> tuple[list[dict], dict]:
     """A small grid with every status, timed like a memory-bound kernel at 2.5 TB/s (peers slower)."""
-    hbm, peak = 3.0e12, 700e12
+    hbm, peak, fp8_peak = 3.0e12, 700e12, 1400e12
     speed = {"triton": 0.85, "flashmla": 0.9, "fa3_mla": 0.7, "triton_mla": 0.4}
     rows = []
     for kv_dtype in ("bf16", "fp8"):
@@ -497,13 +595,17 @@ def _fake_rows() -> tuple[list[dict], dict]:
                             rows.append(new_row(kernel, kind, cell, q_dtype, WRONG, "max |err| 0.9 > tol"))
                             continue
                         row = new_row(kernel, kind, cell, q_dtype, OK)
-                        fill_metrics(row, hbm, peak)
+                        row["mma_dtype"] = _fake_mma_dtype(kernel, kv_dtype)
+                        fill_metrics(row, hbm, peak, fp8_peak)
                         row["time_us"] = row["floor_us"] / frac + 3.0  # + launch-ish overhead
                         row.update(time_us_p10=row["time_us"] * 0.98, time_us_p90=row["time_us"] * 1.03,
                                    max_abs_err=1e-3, kv_copies=4, calls_per_graph=8, replays=50)
-                        rows.append(fill_metrics(row, hbm, peak))
+                        rows.append(fill_metrics(row, hbm, peak, fp8_peak))
+    for row in rows:
+        row["mma_dtype"] = _fake_mma_dtype(row["kernel"], row["kv_dtype"])  # as bench_decode sets it on every row
     meta = dict(device_name="Fake GPU", date="2026-01-01", command="report.py --selftest", grid="fake",
-                hbm_gbps=hbm / 1e9, peak_tflops=peak / 1e12, l2_mib=50, versions="none")
+                hbm_gbps=hbm / 1e9, peak_tflops=peak / 1e12, fp8_peak_tflops=fp8_peak / 1e12, l2_mib=50,
+                versions="none")
     return annotate_speedups(rows), meta
 
 
@@ -519,6 +621,35 @@ def selftest(keep_dir: str | None = None) -> Path:
     assert decode_bytes(1, 64, 1, 1, 64, "fp8", "fp8") == 64 * 576 + 576 + 512 * 2 + 4
     row = next(r for r in rows if r["kernel"] == "triton" and r["status"] == OK)
     assert abs(row["frac_of_floor"] - row["floor_us"] / row["time_us"]) < 1e-12
+
+    # floors per MMA dtype: a bf16 kernel's floor is the bf16 floor; an fp8 kernel's divides each product's
+    # flops by the fp8 peak (B=64 S=32k q_len 2 fp8 is compute-bound at bf16 speed, memory-bound at fp8 speed)
+    hbm, peak, fp8_peak = meta["hbm_gbps"] * 1e9, meta["peak_tflops"] * 1e12, meta["fp8_peak_tflops"] * 1e12
+    for r in (r for r in rows if r["status"] == OK):
+        nbytes = decode_bytes(r["batch"], r["seq_len"], r["q_len"], r["num_heads"], r["block_size"], r["kv_dtype"],
+                              r["q_dtype"])
+        flops = decode_flops(r["batch"], r["seq_len"], r["q_len"], r["num_heads"])
+        assert abs(r["floor_bf16_us"] - 1e6 * max(nbytes / hbm, flops / peak)) < 1e-9 * r["floor_bf16_us"]
+        expected = 1e6 * max(nbytes / hbm, flops / (fp8_peak if r["mma_dtype"] == "fp8" else peak))
+        assert abs(r["floor_us"] - expected) < 1e-9 * expected, (r, expected)
+    fp8_row = next(r for r in rows if (r["kernel"], r["kv_dtype"], r["batch"], r["seq_len"], r["q_len"]) ==
+                   ("flashmla", "fp8", 64, 32768, 1))
+    assert fp8_row["floor_us"] < fp8_row["floor_bf16_us"]
+    # mixed products: Q K^T at the fp8 rate, P V at the bf16 rate
+    keys = 128 * 4096
+    mixed = mma_time_s(1, 4096, 1, 128, "fp8/bf16", {"bf16": peak, "fp8": fp8_peak})
+    assert abs(mixed - (2 * keys * 576 / fp8_peak + 2 * keys * 512 / peak)) < 1e-15
+    assert mma_time_s(1, 4096, 1, 128, "fp8", {"bf16": peak, "fp8": None}) is None
+    no_fp8_peak = fill_metrics(dict(fp8_row, time_us=100.0), hbm, peak)
+    assert no_fp8_peak["floor_us"] is None and no_fp8_peak["frac_of_floor"] is None
+    unknown = fill_metrics(dict(fp8_row, time_us=100.0, mma_dtype=MMA_UNKNOWN), hbm, peak, fp8_peak)
+    assert unknown["floor_us"] is None and unknown["floor_bf16_us"] == fp8_row["floor_bf16_us"]
+    try:
+        mma_dtype_pair("int8")
+    except ValueError as e:
+        assert "mma_dtype 'int8'" in str(e) and "bf16, fp16, fp8" in str(e)
+    else:
+        raise AssertionError("mma_dtype_pair accepted int8")
     assert abs(row["gbps"] * row["time_us"] * 1e3 - decode_bytes(
         row["batch"], row["seq_len"], row["q_len"], row["num_heads"], row["block_size"], row["kv_dtype"],
         row["q_dtype"])) < 1e-3 * row["gbps"] * row["time_us"] * 1e3
@@ -549,6 +680,18 @@ def selftest(keep_dir: str | None = None) -> Path:
     for kv_dtype, q_len in _sections(rows):
         assert f"## KV {kv_dtype}, q_len {q_len}" in markdown
     assert "wrong" in markdown and "n/a" in markdown and "x best peer triton" in markdown
+    assert "fp8 matmul peak (measured, 8192^3 e4m3, fast accumulation): 1400 TFLOP/s" in markdown
+    fp8_section = markdown[markdown.index("## KV fp8, q_len 1"):]
+    assert "| B | S | floor bf16 | floor fp8 | triton |" in fp8_section
+    assert "MMA dtype: triton bf16, flashmla fp8, triton_mla bf16." in fp8_section
+    bf16_section = markdown[markdown.index("## KV bf16, q_len 1"):markdown.index("## KV bf16, q_len 2")]
+    assert "| B | S | floor bf16 | triton |" in bf16_section and "floor fp8" not in bf16_section
+    # a results.json from before mma_dtype existed renders as before: one bf16 floor, no MMA legend
+    old_rows = [{k: v for k, v in r.items() if k not in ("mma_dtype", "floor_bf16_us")} for r in rows]
+    old_markdown = render_markdown(old_rows, {k: v for k, v in meta.items() if k != "fp8_peak_tflops"})
+    for absent in ("\nMMA dtype: ", "floor fp8", "fp8 matmul peak (measured"):
+        assert absent not in old_markdown, absent
+    assert "| B | S | floor bf16 | triton |" in old_markdown
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) == 4 + 2, [p.name for p in pngs]  # 4 time plots + speedup + floor heatmaps of ours
     for p in pngs:

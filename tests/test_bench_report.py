@@ -120,3 +120,83 @@ def test_model_schedules_table():
         assert ideal <= contiguous and ideal <= lpt <= by_w
         if kind == "none" and batch >= 8:
             assert contiguous <= 1.04 * ideal + 2 * model_schedules.PIECE_COST + model_schedules.LAUNCH_COST
+
+
+def test_mma_dtype_of_every_runner_in_fp8_and_bf16_cells():
+    """The floor a row gets follows the MMA dtype its kernel runs: cute_sm90 by its fp8 design (the default picks
+    design A for a 16-bit q at batch <= 2, design B otherwise), Triton widens the cache, FlashMLA runs fp8 wgmma,
+    FlashInfer's SM90 kernel dequantises to bf16; every benchmarkable kernel of ours declares its dtype."""
+    from benchmark_scripts import import_benchmark
+
+    bench = import_benchmark("bench_decode")
+    from mla_backend_plugin.ops.manifest import LaunchConfig
+
+    sm90 = (9, 0)
+    fp8_big, fp8_small = bench.Cell(64, 8192, 1, "fp8"), bench.Cell(1, 8192, 1, "fp8")
+    bf16 = bench.Cell(64, 8192, 1, "bf16")
+    cute = bench.OurKernel("cute_sm90", "bf16", False)
+    cute_fp8q = bench.OurKernel("cute_sm90", "fp8", True)
+    assert cute.mma_dtype(fp8_big, sm90) == "fp8" and cute.mma_dtype(fp8_small, sm90) == "bf16"
+    assert cute_fp8q.mma_dtype(fp8_small, sm90) == "fp8" and cute.mma_dtype(bf16, sm90) == "bf16"
+    dequant = bench.OurKernel("cute_sm90", "bf16", False, config=LaunchConfig(fp8_design="dequant"))
+    assert dequant.mma_dtype(fp8_big, sm90) == "bf16"
+    assert bench.OurKernel("triton", "fp8", True).mma_dtype(fp8_big, sm90) == "bf16"
+    assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, sm90) == "fp16"
+    assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, (12, 0)) == "fp8"
+    assert bench.TunedAuto((), 0.1, False).mma_dtype(fp8_big, sm90) == bench.report.MMA_UNKNOWN
+    peers = bench.PEERS
+    assert peers["flashmla"].mma_dtype(fp8_big, sm90) == "fp8" and peers["flashmla"].mma_dtype(bf16, sm90) == "bf16"
+    assert peers["flashinfer_mla"].mma_dtype(fp8_big, sm90) == "bf16"
+    assert peers["flashinfer_mla"].mma_dtype(fp8_big, (10, 0)) == "fp8"
+    assert peers["triton_mla"].mma_dtype(fp8_big, sm90) == "bf16"
+    for kernel in bench.available_kernels():
+        if kernel in bench.NOT_BENCHMARKED_KERNELS:
+            continue
+        args = bench.meta_args(fp8_big, "fp8")
+        cc = (12, 0) if kernel == "xqa_sm120" else (10, 0) if "sm100" in kernel or "flashinfer" in kernel else sm90
+        config = bench.LaunchConfig() if kernel != "cute_sm90" else None
+        assert bench.our_mma_dtype(kernel, config, args, cc) in bench.report.MMA_DTYPES, kernel
+    try:
+        bench.our_mma_dtype("no_such_kernel", bench.LaunchConfig(), bench.meta_args(fp8_big, "fp8"), sm90)
+    except ValueError as e:
+        assert "FP8_CACHE_MMA_DTYPES" in str(e)
+    else:
+        raise AssertionError("an undeclared kernel got an MMA dtype")
+
+
+def test_bench_dry_run_names_each_kernels_mma_dtype():
+    proc = _run("benchmarks/bench_decode.py", "--dry-run", "--quick", "--kernels", "cute_sm90", "--ours-fp8-q",
+                "fp8,bf16", "--peers", "flashmla", "--assume-sm", "90")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "MMA dtype: fp8 in 8 fp8 cell(s)" in out, out[-3000:]  # cute_sm90/fp8q: design B in every fp8 cell
+    assert "MMA dtype: bf16 in 8 bf16 cell(s); bf16 in 4 fp8 cell(s); fp8 in 4 fp8 cell(s)" in out  # A at B=1
+    assert "MMA dtype: bf16 in 8 bf16 cell(s); fp8 in 8 fp8 cell(s)" in out  # flashmla (block 64, every B)
+
+
+def test_ncu_summary_picks_the_budget_metrics(tmp_path):
+    """benchmarks/ncu_decode.py --summarize: the budget's metrics and the largest stall reasons out of an ncu raw
+    CSV export (ncu's own ==PROF== lines skipped), and a clear message for a file that is not one."""
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+              "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+              "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__warps_eligible.avg.per_cycle_active",
+              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"]
+    units = ["", "", "us", "%", "%", "", "warp", "ratio", "ratio", "ratio"]
+    row = ["0", "kernel_Sm90MlaDecodeFp8Mma", "448.2", "41.6", "55.0", "1,234,567", "0.51", "4.7", "1.2", "9.9"]
+    raw = tmp_path / "raw.csv"
+    raw.write_text("==PROF== Disconnected\n" + "\n".join(",".join(f'"{v}"' for v in r) for r in (header, units, row)))
+    proc = _run("benchmarks/ncu_decode.py", "--summarize", str(raw))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for text in ("kernel_Sm90MlaDecodeFp8Mma", "gpu__time_duration.sum", "448.2", "41.6", "55.0", "1,234,567",
+                 "0.51"):
+        assert text in out, out
+    stalls = out[out.index("stalls per issued instruction"):]
+    assert stalls.index("long_scoreboard") < stalls.index("barrier") and "not_issued" not in stalls
+    assert "(no metric matching" in out  # e.g. no launch__ metrics in this export: said, not hidden
+    bad = tmp_path / "bad.csv"
+    bad.write_text("nothing\n")
+    proc = _run("benchmarks/ncu_decode.py", "--summarize", str(bad))
+    assert proc.returncode != 0 and "no ncu raw CSV" in proc.stderr

@@ -45,6 +45,11 @@ def measure_hbm_bytes_per_s(device, nbytes: int = 2**30, iters: int = 20) -> flo
     return 2 * nbytes / best
 
 
+def _matmul_flops_per_s(matmul: Callable[[], object], n: int, iters: int) -> float:
+    """2 n^3 over the best of ``iters`` event-timed calls of an n x n x n ``matmul``."""
+    return 2 * n**3 / min(event_times_s(matmul, iters))
+
+
 def measure_bf16_flops_per_s(device, n: int = 8192, iters: int = 20) -> float:
     """An n^3 bf16 matmul (cuBLAS) on random data; the best of ``iters``."""
     import torch
@@ -52,8 +57,23 @@ def measure_bf16_flops_per_s(device, n: int = 8192, iters: int = 20) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    best = min(event_times_s(lambda: torch.matmul(a, b, out=c), iters))
-    return 2 * n**3 / best
+    return _matmul_flops_per_s(lambda: torch.matmul(a, b, out=c), n, iters)
+
+
+def measure_fp8_flops_per_s(device, n: int = 8192, iters: int = 20) -> float | None:
+    """An n^3 e4m3 x e4m3 -> bf16 matmul (cuBLAS through ``torch._scaled_mm``, per-tensor scales, fast
+    accumulation: the rate of the fp8 tensor-core instructions an fp8 attention kernel issues) on random data;
+    the best of ``iters``. None on a device without fp8 matrix instructions (compute capability below 8.9)."""
+    import torch
+
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    fp8 = torch.float8_e4m3fn
+    a = torch.randn(n, n, device=device).to(fp8)
+    b = torch.randn(n, n, device=device).to(fp8).t()  # column-major, as cuBLASLt's fp8 kernels take B
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return _matmul_flops_per_s(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                        use_fast_accum=True), n, iters)
 
 
 def kv_copies_for(bytes_per_copy: int, l2_bytes: int, l2_factor: float = 2.0, max_copies: int = 256) -> int:
