@@ -545,8 +545,7 @@ def scenario_eval_engine_args() -> None:
     import json
     import tempfile
 
-    from mla_backend_plugin.evals import __main__ as ev
-    from mla_backend_plugin.evals import tasks
+    from mla_backend_plugin.evals import plan, tasks, worker
     from mla_backend_plugin.evals.model import hf_config
 
     install_fake_gpu()
@@ -557,10 +556,10 @@ def scenario_eval_engine_args() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(hf, f)
-        for cond in ev.device_plan().conditions:
-            if cond.backend == ev.TORCH:
+        for cond in plan.device_plan().conditions:
+            if cond.backend == plan.TORCH:
                 continue
-            kwargs = ev.engine_kwargs(cond, hf, 8192)
+            kwargs = worker.engine_kwargs(cond, hf, 8192)
             cfg = EngineArgs(model=model_dir, load_format="dummy", **kwargs).create_engine_config()
             assert cfg.attention_config.backend.name == cond.backend, (cond.label, cfg.attention_config.backend)
             assert cfg.cache_config.kv_cache_memory_bytes == kwargs["kv_cache_memory_bytes"], cond.label
