@@ -428,3 +428,127 @@ def test_training_plan_is_a_function_of_the_step_and_a_cut_run_repeats(tmp_path)
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps_total"] == 8 and log["final"]["step"] == 3
     assert EvalModel.load_hf(str(out)).c.num_hidden_layers == 2
+
+
+def test_the_model_directory_and_the_message_when_its_weights_are_missing(tmp_path, monkeypatch):
+    """The eval model comes from CUTE_MLA_EVAL_MODEL_DIR when set, else the package's model/ (a source install);
+    a directory without the weights (the serving wheel ships none) is refused with how to get them, by the
+    library call and by the CLI (exit 2) before anything starts."""
+    from mla_backend_plugin import evals
+
+    monkeypatch.delenv("CUTE_MLA_EVAL_MODEL_DIR", raising=False)
+    assert evals.model_dir() == MODEL_DIR
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("CUTE_MLA_EVAL_MODEL_DIR", str(empty))
+    assert evals.model_dir() == str(empty)
+    why = evals.missing_model(str(empty))
+    for part in (f"no eval model in {empty}", "config.json and model.safetensors", "serving wheel does not ship",
+                 "pip install -e .", "CUTE_MLA_EVAL_MODEL_DIR", "python -m mla_backend_plugin.evals.train"):
+        assert part in why, (part, why)
+    with pytest.raises(FileNotFoundError, match="set CUTE_MLA_EVAL_MODEL_DIR"):
+        evals.require_model()
+    (empty / "config.json").write_text("{}")
+    assert "missing model.safetensors" in evals.missing_model(str(empty))
+    proc = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--backends", "torch", "--lengths", "64",
+                           "--problems", "1", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**os.environ, "CUTE_MLA_EVAL_MODEL_DIR": str(empty)})
+    assert proc.returncode == 2 and "The serving wheel does not ship the eval weights" in proc.stderr, proc.stderr
+    assert f"model {empty}" in proc.stdout
+    assert evals.require_model(MODEL_DIR) == MODEL_DIR or not os.path.exists(SHIPPED_WEIGHTS)
+
+
+def test_widened_heads_are_the_same_function(tmp_path):
+    """widen_heads repeats each attention head (q_proj and kv_b_proj rows, o_proj columns / factor): the checkpoint
+    has factor x the heads and computes the same logits (float64), so TP can split it where the original cannot."""
+    import json
+
+    hf = hf_config(tasks.VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(3)
+    model = EvalModel(EvalModelConfig.from_hf(hf))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    model.save_hf(str(src), dtype=torch.float32)
+    from mla_backend_plugin.evals.model import widen_heads
+
+    assert widen_heads(str(src), str(dst), 2) == str(dst)
+    wide_hf = json.loads((dst / "config.json").read_text())
+    assert wide_hf["num_attention_heads"] == wide_hf["num_key_value_heads"] == 32
+    narrow = EvalModel.load_hf(str(src), dtype=torch.float64)
+    wide = EvalModel.load_hf(str(dst), dtype=torch.float64)
+    assert wide.c.num_attention_heads == 32 and wide.c.softmax_scale == narrow.c.softmax_scale
+    tokens = torch.tensor([tasks.make_problem("hop2", 96, 1).prompt])
+    with torch.no_grad():
+        torch.testing.assert_close(wide(tokens), narrow(tokens), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="allowed: an integer >= 1"):
+        widen_heads(str(src), str(tmp_path / "x"), 0)
+
+
+def test_parallel_layouts_conditions_and_refusals():
+    """Every vLLM condition under each (TP, DCP, interleave) where DCP divides TP, labelled by its layout (one GPU
+    keeps today's labels); speculation with an interleave > 1 only for CUTE_MLA (vLLM 0.26 refuses the peers);
+    layouts CUTE_MLA cannot run are refused naming the options and the allowed values; the engine arguments."""
+    layouts = plan.parallel_layouts([1, 2], [1, 2], [1, 64])
+    assert layouts == ((1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 64))
+    with pytest.raises(ValueError, match="no combination where the DCP size divides the TP size"):
+        plan.parallel_layouts([1], [2], [1])
+    base = plan.conditions(["CUTE_MLA", "FLASHMLA"], ["auto"], ["auto"], ["graphs"], [0, 3])
+    conds = plan.with_layouts([plan.TORCH_CONDITION] + base, layouts)
+    labels = [c.label for c in conds]
+    assert labels[:5] == ["torch bf16", "CUTE_MLA[auto] kv=bf16 graphs", "CUTE_MLA[auto] kv=bf16 graphs tp2",
+                          "CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i1", "CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i64"]
+    assert "CUTE_MLA[auto] kv=bf16 graphs spec3 tp2 dcp2 i64" in labels
+    assert "FLASHMLA kv=bf16 graphs spec3 tp2 dcp2 i1" in labels
+    assert "FLASHMLA kv=bf16 graphs spec3 tp2 dcp2 i64" not in labels
+    assert plan.with_layouts(base, plan.SINGLE_GPU) == base
+    plan.check_layouts(conds, 32)  # the 16-head model widened x2: 16 per rank at TP 2, 32 per call under DCP 2
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 --decode-context-parallel-size 1: CUTE_MLA would "
+                                         r"decode 16 heads / 2 x 1 = 8 query heads per call; allowed: 16, 32, 64, "
+                                         r"128\. With 16 heads, \(TP, DCP\) in \[\(1, 1\), \(2, 2\)"):
+        plan.check_layouts(conds, 16)
+    plan.check_layouts([c for c in conds if not c.ours or c.dcp == c.tp], 16)  # the peers take 8 heads per rank
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4: the model's 6 attention heads"):
+        plan.check_layouts([plan.Condition("FLASHMLA", "-", "auto", "graphs", 0, 4, 1, 1)], 6)
+    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 8: .* allowed: 1, 16, 32, 64, 128"):
+        plan.check_layouts([plan.Condition("CUTE_MLA", "auto", "auto", "graphs", 0, 2, 2, 8)], 32)
+    hf = hf_config(tasks.VOCAB_SIZE)
+    dcp = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 3, 2, 2, 64), hf, 4096)
+    assert (dcp["tensor_parallel_size"], dcp["decode_context_parallel_size"], dcp["cp_kv_cache_interleave_size"],
+            dcp["block_size"]) == (2, 2, 64, 64)
+    tp = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0, 2), hf, 4096)
+    assert tp["tensor_parallel_size"] == 2 and "decode_context_parallel_size" not in tp and "block_size" not in tp
+    one = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0), hf, 4096)
+    assert not {"tensor_parallel_size", "decode_context_parallel_size", "block_size"} & set(one)
+    out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--backends", "CUTE_MLA",
+                          "--kernels", "auto", "--modes", "graphs", "--spec", "0", "--kv-dtypes", "auto",
+                          "--tensor-parallel-size", "1,2", "--decode-context-parallel-size", "1,2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "8 query heads per call" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--backends", "CUTE_MLA",
+                          "--kernels", "auto", "--modes", "graphs", "--spec", "0", "--kv-dtypes", "auto",
+                          "--tensor-parallel-size", "1,2", "--decode-context-parallel-size", "1,2",
+                          "--widen-heads", "2"], capture_output=True, text=True, check=True).stdout
+    assert "with each head x2" in out and out.splitlines()[1:] == [
+        "  CUTE_MLA[auto] kv=bf16 graphs", "  CUTE_MLA[auto] kv=bf16 graphs tp2",
+        "  CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i1"]
+
+
+def test_verdicts_judge_a_dcp_condition_against_the_same_without_dcp():
+    def row(cond, hits, kl, tp=1, dcp=1, interleave=1, backend="CUTE_MLA"):
+        return {"condition": cond, "backend": backend, "kernel": "auto" if backend == "CUTE_MLA" else "-",
+                "ours": backend == "CUTE_MLA", "kv_dtype": "auto", "mode": "graphs", "spec": 0, "tp": tp, "dcp": dcp,
+                "interleave": interleave, "task": "retrieve", "length": 1024, "hits": hits, "n": 100,
+                "accuracy": hits / 100, "kl_mean": kl}
+    one, tp2 = row("one", 90, 1e-3), row("tp2", 90, 2e-3, tp=2)
+    good = row("tp2 dcp2", 89, 3e-3, tp=2, dcp=2)
+    assert stats.dcp_twin(good, [one, tp2, good]) is tp2 and stats.dcp_twin(good, [one, good]) is one
+    assert stats.dcp_twin(good, [good, row("peer", 90, 1e-3, backend="FLASHMLA")]) is None
+    assert stats.verdicts([one, tp2, good]) == []
+    worse = row("tp2 dcp2 i64", 60, 5e-3, tp=2, dcp=2, interleave=64)
+    found = stats.verdicts([one, tp2, worse])
+    assert len(found) == 2 and "below tp2 0.900 without DCP" in found[0] and "> 2.0 x tp2's" in found[1], found
+    tiny = [row("tp2", 90, 1e-5, tp=2), row("tp2 dcp2", 90, 5e-4, tp=2, dcp=2)]  # both negligible
+    assert stats.verdicts(tiny) == []
