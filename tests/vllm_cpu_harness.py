@@ -572,6 +572,17 @@ def scenario_eval_engine_args() -> None:
             assert spec == cond.spec, (cond.label, spec)
             if cond.ours:
                 assert selected_mla_backend(cfg) == OUR_CLASS, cond.label
+        # the two-GPU layouts of benchmarks/run_dcp_two_gpus.sh: vLLM takes the eval's arguments for them
+        base = plan.conditions(["CUTE_MLA", "FLASHMLA"], ["auto"], ["auto", "fp8"], ["graphs"], [0, plan.NGRAM_TOKENS])
+        for cond in plan.with_layouts(base, plan.parallel_layouts([2], [1, 2], [1, 64])):
+            kwargs = worker.engine_kwargs(cond, hf, 8192)
+            cfg = EngineArgs(model=model_dir, load_format="dummy", distributed_executor_backend="mp",
+                             **kwargs).create_engine_config()
+            par = cfg.parallel_config
+            assert (par.tensor_parallel_size, par.decode_context_parallel_size) == (cond.tp, cond.dcp), cond.label
+            assert par.cp_kv_cache_interleave_size == cond.interleave, cond.label
+            assert cfg.cache_config.block_size == kwargs.get("block_size", cfg.cache_config.block_size), cond.label
+            assert cfg.attention_config.backend.name == cond.backend, cond.label
 
 
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
