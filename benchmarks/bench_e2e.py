@@ -28,9 +28,10 @@ the timed ones find them cached (the decode steps, and so the differenced step t
 
 Two GPUs: ``--tensor-parallel-size 2`` (and ``--decode-context-parallel-size 2``, ``--cp-kv-cache-interleave-size
 N``) run every engine over both; rows carry ``tp`` / ``dcp`` / ``interleave`` and the report names the layout
-(``CUTE_MLA tp2 dcp2``). Under DCP only backends that return the decode LSE run (``DCP_BACKENDS``, vLLM 0.26),
-and with speculation and an interleave above 1 only CUTE_MLA; both are refused before any engine starts. With TP
-the decode runs in vLLM's worker processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
+(``CUTE_MLA tp2 dcp2``). Layouts that vLLM 0.26 or our kernels would refuse at engine start (a backend without a
+decode LSE under DCP, speculation with an interleave above 1 on a peer, a CUTE_MLA head count our kernels lack:
+``evals.plan.layout_problem``) are refused before any engine starts. With TP the decode runs in vLLM's worker
+processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
 B 32 / 128) prefill for minutes: pass ``--prefix-caching`` so that only the warm-up generation prefills.
 
 One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
@@ -54,11 +55,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE_CONFIG = ROOT / "examples" / "tiny_deepseek" / "model" / "config.json"
 DEFAULT_BACKENDS = ("CUTE_MLA", "CUTE_MLA:cute_sm90", "CUTE_MLA:triton", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
-# decode context parallelism needs the impl to return the decode LSE (vLLM 0.26: can_return_lse_for_decode; its
-# CUTLASS_MLA and FLASHINFER_MLA have it too, on SM100); n-gram speculation with cp_kv_cache_interleave_size > 1
-# also needs supports_mtp_with_cp_non_trivial_interleave_size, which of these only CUTE_MLA declares
-DCP_BACKENDS = ("CUTE_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
-MTP_INTERLEAVE_BACKENDS = ("CUTE_MLA",)
 
 
 def model_config(layers: int, hidden: int = 7168, intermediate: int = 2048, vocab: int = 16384) -> dict:
@@ -89,32 +85,20 @@ def row_label(row: dict) -> str:
 
 
 def check_parallel(args) -> None:
-    """Refuse, before any engine starts, a layout vLLM or the backends would refuse after a start: the DCP size
-    must divide the TP size, the backends must support DCP, speculation with an interleave above 1 needs CUTE_MLA,
-    CUTE_MLA needs a head count its kernels take (heads / TP x DCP), and the kernel profile sees one process."""
-    from mla_backend_plugin.ops.constants import SUPPORTED_NUM_HEADS
+    """Refuse, before any engine starts, a layout that vLLM or the backends would refuse after a start
+    (``evals.plan.layout_problem``: the DCP size dividing the TP size, DCP support, speculation with an interleave
+    above 1, CUTE_MLA's heads per decode call); and the kernel profile, which sees the engine's process only."""
+    from mla_backend_plugin.evals.plan import layout_problem
 
     tp, dcp, interleave = args.tensor_parallel_size, args.decode_context_parallel_size, args.cp_kv_cache_interleave_size
-    if min(tp, dcp, interleave) < 1 or tp % dcp:
-        raise ValueError(f"--tensor-parallel-size {tp} --decode-context-parallel-size {dcp}: allowed: sizes >= 1 "
-                         f"with the DCP size dividing the TP size")
     if tp > 1 and args.kernel_profile:
         raise ValueError(f"--kernel-profile with --tensor-parallel-size {tp}: the trace sees the engine's own "
                          f"process, the decode runs in vLLM's workers; allowed: --tensor-parallel-size 1")
     heads = model_config(args.layers)["num_attention_heads"]
     for spec in args.backends:
-        backend, _ = parse_backend(spec)
-        if dcp > 1 and backend not in DCP_BACKENDS:
-            raise ValueError(f"--decode-context-parallel-size {dcp} with {backend}: its decode returns no LSE; "
-                             f"allowed backends: {', '.join(DCP_BACKENDS)}")
-        if dcp > 1 and interleave > 1 and any(args.spec) and backend not in MTP_INTERLEAVE_BACKENDS:
-            raise ValueError(f"--cp-kv-cache-interleave-size {interleave} with --spec {max(args.spec)} and {backend}: "
-                             f"vLLM 0.26 refuses it; allowed: interleave 1, or --spec 0, or "
-                             f"{', '.join(MTP_INTERLEAVE_BACKENDS)}")
-        if backend == "CUTE_MLA" and (heads % tp or heads // tp * dcp not in SUPPORTED_NUM_HEADS):
-            raise ValueError(f"--tensor-parallel-size {tp} --decode-context-parallel-size {dcp}: CUTE_MLA would "
-                             f"decode {heads} heads / {tp} x {dcp} = {heads / tp * dcp:g} query heads per call; "
-                             f"allowed: {', '.join(map(str, SUPPORTED_NUM_HEADS))}")
+        problem = layout_problem(parse_backend(spec)[0], heads, tp, dcp, interleave, max(args.spec))
+        if problem:
+            raise ValueError(problem)
 
 
 def _ints(text: str) -> list[int]:

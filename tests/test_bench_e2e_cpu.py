@@ -289,11 +289,12 @@ def test_two_gpu_layouts_reach_the_engines_rows_and_report(tmp_path, capsys, mon
     assert "| CUTE_MLA tp2 dcp2 i64 | 3.000 (10666.7) | - | - |" in md
     assert "| CUTE_MLA tp2 | 5.000 (6400.0) | - | - |" in md and "| FLASHMLA | 4.000 (8000.0) | - | - |" in md
     for argv, message in (
-            (["--tensor-parallel-size", "3", "--decode-context-parallel-size", "2"], "DCP size dividing the TP size"),
-            ([*dcp, "--backends", "CUTE_MLA,CUTLASS_MLA"], "CUTLASS_MLA: its decode returns no LSE; allowed backends: "
-                                                           "CUTE_MLA, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA"),
+            (["--tensor-parallel-size", "3", "--decode-context-parallel-size", "2"],
+             "the DCP size dividing the TP size"),
+            ([*dcp, "--backends", "CUTE_MLA,CUTLASS_MLA"], "CUTLASS_MLA's decode returns no LSE; allowed backends "
+                                                           "under DCP: CUTE_MLA, TRITON_MLA, FLASHMLA, FLASH_ATTN_MLA"),
             ([*dcp, "--backends", "FLASHMLA", "--cp-kv-cache-interleave-size", "64", "--spec", "0,1"],
-             "vLLM 0.26 refuses it; allowed: interleave 1, or --spec 0, or CUTE_MLA"),
+             "vLLM 0.26 refuses it for FLASHMLA; allowed: interleave 1, no speculation, or CUTE_MLA"),
             (["--tensor-parallel-size", "16", "--backends", "CUTE_MLA"],
              "128 heads / 16 x 1 = 8 query heads per call; allowed: 16, 32, 64, 128"),
             (["--tensor-parallel-size", "2", "--kernel-profile"], "allowed: --tensor-parallel-size 1")):

@@ -505,12 +505,17 @@ def test_parallel_layouts_conditions_and_refusals():
     assert "FLASHMLA kv=bf16 graphs spec3 tp2 dcp2 i64" not in labels
     assert plan.with_layouts(base, plan.SINGLE_GPU) == base
     plan.check_layouts(conds, 32)  # the 16-head model widened x2: 16 per rank at TP 2, 32 per call under DCP 2
+    assert plan.layout_problem("FLASHMLA", 16, 2, 1) is None  # vLLM's backends take 8 heads per rank
+    assert "query heads per call" in plan.layout_problem("CUTE_MLA", 16, 2, 1)
+    assert "allowed backends under DCP" in plan.layout_problem("CUTLASS_MLA", 128, 2, 2)
+    assert plan.conditions(["CUTLASS_MLA"], [], ["auto"], ["graphs"], [0], ((2, 2, 1),)) == []
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 --decode-context-parallel-size 1: CUTE_MLA would "
                                          r"decode 16 heads / 2 x 1 = 8 query heads per call; allowed: 16, 32, 64, "
-                                         r"128\. With 16 heads, \(TP, DCP\) in \[\(1, 1\), \(2, 2\)"):
+                                         r"128\. With 16 heads, \(TP, DCP\) in \[\(1, 1\), \(2, 2\).*; "
+                                         r"--widen-heads multiplies the heads"):
         plan.check_layouts(conds, 16)
     plan.check_layouts([c for c in conds if not c.ours or c.dcp == c.tp], 16)  # the peers take 8 heads per rank
-    with pytest.raises(ValueError, match="--tensor-parallel-size 4: the model's 6 attention heads"):
+    with pytest.raises(ValueError, match="--decode-context-parallel-size 1: the model's 6 attention heads do not"):
         plan.check_layouts([plan.Condition("FLASHMLA", "-", "auto", "graphs", 0, 4, 1, 1)], 6)
     with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 8: .* allowed: 1, 16, 32, 64, 128"):
         plan.check_layouts([plan.Condition("CUTE_MLA", "auto", "auto", "graphs", 0, 2, 2, 8)], 32)

@@ -16,9 +16,11 @@ NO_FP8 = ("FLASH_ATTN_MLA",)  # vLLM 0.26 refuses an fp8 cache there
 TORCH = "torch"  # the eval model in plain torch, bf16 arithmetic, no cache: not a vLLM backend
 REFERENCE = "reference"  # the float32 torch model, computed by the runner itself
 NGRAM_TOKENS = 3
-# n-gram speculation under decode context parallelism with cp_kv_cache_interleave_size > 1: vLLM 0.26 refuses it
-# for impls that do not declare supports_mtp_with_cp_non_trivial_interleave_size; of these backends only ours does
-# (every one of BACKENDS returns the LSE that DCP needs: can_return_lse_for_decode)
+# decode context parallelism needs the impl to return the decode LSE (vLLM 0.26: can_return_lse_for_decode; its
+# CUTLASS_MLA and FLASHINFER_MLA have it too, on SM100); n-gram speculation under DCP with
+# cp_kv_cache_interleave_size > 1 also needs supports_mtp_with_cp_non_trivial_interleave_size, which of these
+# only CUTE_MLA declares
+DCP_BACKENDS = ("CUTE_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA")
 MTP_INTERLEAVE_BACKENDS = ("CUTE_MLA",)
 
 
@@ -95,7 +97,8 @@ def conditions(backends, kernels, kv_dtypes, modes, specs, layouts=SINGLE_GPU) -
                         if spec and backend not in SPEC_BACKENDS:
                             continue
                         for tp, dcp, interleave in layouts:
-                            if spec and dcp > 1 and interleave > 1 and backend not in MTP_INTERLEAVE_BACKENDS:
+                            if dcp > 1 and (backend not in DCP_BACKENDS or (
+                                    spec and interleave > 1 and backend not in MTP_INTERLEAVE_BACKENDS)):
                                 continue
                             out.append(Condition(backend, kernel, kv, mode, spec, tp, dcp, interleave))
     return out
@@ -113,29 +116,49 @@ def with_layouts(conds, layouts) -> list[Condition]:
     return list(dict.fromkeys(out))
 
 
+def layout_problem(backend: str, heads: int, tp: int, dcp: int, interleave: int = 1, spec: int = 0) -> str | None:
+    """Why an engine of ``backend`` on a model of ``heads`` attention heads would be refused at start under this
+    layout (vLLM 0.26's rules and our kernels'), naming the options and the allowed values; None when it would
+    start. The DCP size divides the TP size and the heads split evenly over the TP ranks; under DCP the backend
+    returns the decode LSE (``DCP_BACKENDS``), and with speculation and an interleave above 1 declares MTP support
+    for it (``MTP_INTERLEAVE_BACKENDS``); CUTE_MLA decodes heads per rank x the DCP size (vLLM gathers q over the
+    DCP group), which must be a head count our kernels take."""
+    from mla_backend_plugin.ops.constants import SUPPORTED_NUM_HEADS
+
+    options = f"--tensor-parallel-size {tp} --decode-context-parallel-size {dcp}"
+    if min(tp, dcp, interleave) < 1 or tp % dcp:
+        return f"{options}: allowed: sizes >= 1, the DCP size dividing the TP size"
+    if heads % tp:
+        return f"{options}: the model's {heads} attention heads do not split evenly; allowed TP sizes: divisors " \
+               f"of {heads}"
+    if dcp > 1 and backend not in DCP_BACKENDS:
+        return f"{options}: {backend}'s decode returns no LSE; allowed backends under DCP: {', '.join(DCP_BACKENDS)}"
+    if dcp > 1 and interleave > 1 and spec and backend not in MTP_INTERLEAVE_BACKENDS:
+        return (f"--cp-kv-cache-interleave-size {interleave} with {spec} speculative tokens: vLLM 0.26 refuses it "
+                f"for {backend}; allowed: interleave 1, no speculation, or {', '.join(MTP_INTERLEAVE_BACKENDS)}")
+    per_call = heads // tp * dcp
+    if backend == "CUTE_MLA" and per_call not in SUPPORTED_NUM_HEADS:
+        fits = [(t, d) for t in (1, 2, 4, 8) for d in (1, 2, 4, 8)
+                if heads % t == 0 and t % d == 0 and heads // t * d in SUPPORTED_NUM_HEADS]
+        return (f"{options}: CUTE_MLA would decode {heads} heads / {tp} x {dcp} = {per_call} query heads per call; "
+                f"allowed: {', '.join(map(str, SUPPORTED_NUM_HEADS))}. With {heads} heads, (TP, DCP) in {fits}")
+    return None
+
+
 def check_layouts(conds, heads: int) -> None:
-    """Refuse, before any engine starts, a parallel layout that a model of ``heads`` attention heads or our kernels
-    cannot run: the heads must split evenly over the TP ranks; for CUTE_MLA the heads of one decode call (heads per
-    rank x the DCP size: vLLM gathers q over the DCP group) must be a count our kernels take; an interleave above 1
-    becomes the engine's block size, so it must be one of our block sizes. ValueError naming the option and the
-    allowed values."""
-    from mla_backend_plugin.ops.constants import SUPPORTED_BLOCK_SIZES, SUPPORTED_NUM_HEADS
+    """Refuse, before any engine starts, a condition whose layout a model of ``heads`` attention heads, vLLM or our
+    kernels cannot run (``layout_problem``; the eval's --widen-heads multiplies the heads); an interleave above 1
+    becomes the engine's block size here, so it must be one of our block sizes. ValueError naming the option and
+    the allowed values."""
+    from mla_backend_plugin.ops.constants import SUPPORTED_BLOCK_SIZES
 
     for c in conds:
         if c.backend == TORCH or (c.tp, c.dcp) == (1, 1):
             continue
-        if heads % c.tp:
-            raise ValueError(f"--tensor-parallel-size {c.tp}: the model's {heads} attention heads do not split "
-                             f"evenly; allowed: divisors of {heads}")
-        per_call = heads // c.tp * c.dcp
-        if c.ours and per_call not in SUPPORTED_NUM_HEADS:
-            fits = [(tp, dcp) for tp in (1, 2, 4, 8) for dcp in (1, 2, 4, 8)
-                    if heads % tp == 0 and tp % dcp == 0 and heads // tp * dcp in SUPPORTED_NUM_HEADS]
-            raise ValueError(
-                f"--tensor-parallel-size {c.tp} --decode-context-parallel-size {c.dcp}: CUTE_MLA would decode "
-                f"{heads} heads / {c.tp} x {c.dcp} = {per_call} query heads per call; allowed: "
-                f"{', '.join(map(str, SUPPORTED_NUM_HEADS))}. With {heads} heads, (TP, DCP) in {fits}; "
-                f"--widen-heads multiplies the heads (the same model, each head repeated)")
+        problem = layout_problem(c.backend, heads, c.tp, c.dcp, c.interleave, c.spec)
+        if problem:
+            raise ValueError(problem + ("; --widen-heads multiplies the heads (the same model, each head repeated)"
+                                        if "query heads per call" in problem else ""))
         if c.dcp > 1 and c.interleave > 1 and c.interleave not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"--cp-kv-cache-interleave-size {c.interleave}: an interleave above 1 is the engine's "
                              f"block size here; allowed: 1, {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
