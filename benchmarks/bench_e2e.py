@@ -26,6 +26,14 @@ time moves between runs); a real DeepSeek-V3 (61 layers) is bound by the GPU. ``
 measures that regime within a device call: with prefix caching only the warm-up generation prefills the prompts,
 the timed ones find them cached (the decode steps, and so the differenced step time, are the same either way).
 
+Two GPUs: ``--tensor-parallel-size 2`` (and ``--decode-context-parallel-size 2``, ``--cp-kv-cache-interleave-size
+N``) run every engine over both; rows carry ``tp`` / ``dcp`` / ``interleave`` and the report names the layout
+(``CUTE_MLA tp2 dcp2``). Layouts that vLLM 0.26 or our kernels would refuse at engine start (a backend without a
+decode LSE under DCP, speculation with an interleave above 1 on a peer, a CUTE_MLA head count our kernels lack:
+``evals.plan.layout_problem``) are refused before any engine starts. With TP the decode runs in vLLM's worker
+processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
+B 32 / 128) prefill for minutes: pass ``--prefix-caching`` so that only the warm-up generation prefills.
+
 One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
 ``DIR/rows.jsonl`` and ``--report`` renders them all. First H100 runs: benchmarks/NOTES.md (2026-11-24).
 """
@@ -58,8 +66,39 @@ def model_config(layers: int, hidden: int = 7168, intermediate: int = 2048, voca
 
 
 def conditions(args) -> list[dict]:
-    return [{"backend": b, "batch": batch, "context": ctx, "spec": spec}
+    layout = parallel_fields(args)
+    return [{"backend": b, "batch": batch, "context": ctx, "spec": spec, **layout}
             for b in args.backends for spec in args.spec for ctx in args.contexts for batch in args.batches]
+
+
+def parallel_fields(args) -> dict:
+    """The engines' parallel layout as a row records it."""
+    return {"tp": args.tensor_parallel_size, "dcp": args.decode_context_parallel_size,
+            "interleave": args.cp_kv_cache_interleave_size if args.decode_context_parallel_size > 1 else 1}
+
+
+def row_label(row: dict) -> str:
+    """A row's backend with its parallel layout (one GPU: the backend alone)."""
+    tp, dcp = row.get("tp", 1), row.get("dcp", 1)
+    label = row["backend"] + (f" tp{tp}" if tp > 1 else "") + (f" dcp{dcp}" if dcp > 1 else "")
+    return label + (f" i{row['interleave']}" if dcp > 1 and row.get("interleave", 1) > 1 else "")
+
+
+def check_parallel(args) -> None:
+    """Refuse, before any engine starts, a layout that vLLM or the backends would refuse after a start
+    (``evals.plan.layout_problem``: the DCP size dividing the TP size, DCP support, speculation with an interleave
+    above 1, CUTE_MLA's heads per decode call); and the kernel profile, which sees the engine's process only."""
+    from mla_backend_plugin.evals.plan import layout_problem
+
+    tp, dcp, interleave = args.tensor_parallel_size, args.decode_context_parallel_size, args.cp_kv_cache_interleave_size
+    if tp > 1 and args.kernel_profile:
+        raise ValueError(f"--kernel-profile with --tensor-parallel-size {tp}: the trace sees the engine's own "
+                         f"process, the decode runs in vLLM's workers; allowed: --tensor-parallel-size 1")
+    heads = model_config(args.layers)["num_attention_heads"]
+    for spec in args.backends:
+        problem = layout_problem(parse_backend(spec)[0], heads, tp, dcp, interleave, max(args.spec))
+        if problem:
+            raise ValueError(problem)
 
 
 def _ints(text: str) -> list[int]:
@@ -228,14 +267,29 @@ def parse_backend(spec: str) -> tuple[str, dict[str, str]]:
     return backend, env
 
 
+def parallel_engine_args(args) -> dict:
+    """vLLM ``LLM(...)`` arguments of the layout (none on one GPU, so one-GPU engines are those of before)."""
+    extra = {}
+    if args.tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.decode_context_parallel_size > 1:
+        extra["decode_context_parallel_size"] = args.decode_context_parallel_size
+        extra["cp_kv_cache_interleave_size"] = args.cp_kv_cache_interleave_size
+    if args.block_size:
+        extra["block_size"] = args.block_size
+    return extra
+
+
 def worker(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     backend, env = parse_backend(args.worker_backend)
     os.environ.update(env)
-    timers = HostTimers()
-    timers.install(backend)
+    # with TP the builder and forward_mqa run in vLLM's worker processes: hooks here would count nothing
+    timers = HostTimers() if args.tensor_parallel_size == 1 else None
+    if timers:
+        timers.install(backend)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -243,6 +297,7 @@ def worker(args) -> None:
     if args.worker_spec:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.worker_spec,
                                        "prompt_lookup_min": 2, "prompt_lookup_max": 8}
+    extra.update(parallel_engine_args(args))
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, attention_backend=backend, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=args.eager, max_model_len=max(args.contexts) + longest_run(args),
@@ -258,6 +313,7 @@ def worker(args) -> None:
                                          args.worker_spec, 0)]
             row = measure_cell(llm, SamplingParams, prompts, timers, args, batch, context)
             row.update(start_s=round(start_s, 1), layers=layers, prefix_caching=args.prefix_caching,
+                       **parallel_fields(args),
                        kv_cache_dtype=args.kv_cache_dtype)
             if args.prefix_caching:
                 row["prefix_tail"] = args.prefix_tail
@@ -321,7 +377,10 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
            args.model_dir, "--batches", ",".join(map(str, args.batches)), "--contexts",
            ",".join(map(str, args.contexts)), "--repeats", str(args.repeats), "--gpu-memory-utilization",
            str(args.gpu_memory_utilization), "--max-batched-tokens", str(args.max_batched_tokens),
-           "--kv-cache-dtype", args.kv_cache_dtype] \
+           "--kv-cache-dtype", args.kv_cache_dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--decode-context-parallel-size", str(args.decode_context_parallel_size), "--cp-kv-cache-interleave-size",
+           str(args.cp_kv_cache_interleave_size)] \
+        + (["--block-size", str(args.block_size)] if args.block_size else []) \
         + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []) \
         + (["--eager"] if args.eager else []) \
         + (["--prefix-caching", "--prefix-tail", str(args.prefix_tail)] if args.prefix_caching else []) \
@@ -336,7 +395,7 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
         log_path.write_text(stdout + "\n----- stderr\n" + stderr)
     rows = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
     if failure:
-        rows.append({"backend": backend, "spec": spec, "error": failure})
+        rows.append({"backend": backend, "spec": spec, **parallel_fields(args), "error": failure})
     phases = start_phases(stdout + "\n" + stderr)
     for row in rows:
         row.update(phases)
@@ -437,12 +496,12 @@ def render(out_dir: Path) -> Path:
     for context, spec, graphs in keys:
         cell = [r for r in timed if (r["context"], r["spec"], r["graphs"]) == (context, spec, graphs)]
         batches = sorted({r["batch"] for r in cell})
-        backends = sorted({r["backend"] for r in cell})
+        backends = sorted({row_label(r) for r in cell})
         lines += [f"## S = {context}, n-gram tokens {spec}, {'CUDA graphs' if graphs else 'eager'}", "",
                   "| backend | " + " | ".join(f"B={b} ms/step (tok/s)" for b in batches) + " | builder us/step | "
                   "forward_mqa us/step |", "|---|" + "---:|" * (len(batches) + 2)]
         for b in backends:
-            by_batch = {r["batch"]: r for r in cell if r["backend"] == b}
+            by_batch = {r["batch"]: r for r in cell if row_label(r) == b}
             texts = [f"{by_batch[x]['step_ms']:.3f} ({by_batch[x]['tokens_per_s']})"
                      + (f"; mixed {by_batch[x]['mixed_step_ms']:.2f}" if "mixed_step_ms" in by_batch[x] else "")
                      if x in by_batch else "-" for x in batches]
@@ -458,13 +517,13 @@ def render(out_dir: Path) -> Path:
                   "eager): builder us per step and us per eager `forward_mqa` call.", "",
                   "| backend | S | B | builder us/step | _build_decode us/step | mixed: builder us/step | "
                   "mixed: forward_mqa us/call |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for r in sorted(hosted, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+        for r in sorted(hosted, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             mixed_steps_ = max(1, r.get("n_short", 2) - 1)
             calls = r.get("forward_mqa_calls_mixed_phase") or 0
             per_call = f"{r['forward_mqa_us_mixed_phase'] / calls:.1f}" if calls else "-"
             builder_mixed = (f"{r['builder_us_mixed_phase'] / mixed_steps_:.1f}" if "builder_us_mixed_phase" in r
                              else "-")
-            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
+            lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
                          f"{r.get('build_decode_us_per_step', '-')} | {builder_mixed} | {per_call} |")
         lines.append("")
     tails = [r for r in timed if (r.get("prefix_tail") or 1) > 1]
@@ -473,8 +532,8 @@ def render(out_dir: Path) -> Path:
                   "`t1_s`: one generated token for a batch whose prompts are cached but for their last `tail` tokens "
                   "(a short prefill over the whole cached context, then the first token; medians).", "",
                   "| backend | S | B | tail | n-gram | t1 s |", "|---|---:|---:|---:|---:|---:|"]
-        for r in sorted(tails, key=lambda r: (r["context"], r["batch"], r["prefix_tail"], r["spec"], r["backend"])):
-            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['prefix_tail']} | {r['spec']} | "
+        for r in sorted(tails, key=lambda r: (r["context"], r["batch"], r["prefix_tail"], r["spec"], row_label(r))):
+            lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['prefix_tail']} | {r['spec']} | "
                          f"{r['t1_s']:.4f} |")
         lines.append("")
     profiled = [r for r in timed if "gpu_busy_ms" in r]
@@ -487,17 +546,17 @@ def render(out_dir: Path) -> Path:
                   "| backend | S | B | n-gram | step ms | traced step ms | GPU busy ms | idle ms | "
                   "attention kernels ms | other kernels ms | step - attention ms | kernels/step |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             span = r.get("gpu_span_ms")  # rows of older runs have none: idle from the timed step then
             idle = (span if span is not None else r["step_ms"]) - r["gpu_busy_ms"]
-            lines.append(f"| {r['backend']} | {r['context']} | {r['batch']} | {r['spec']} | {r['step_ms']:.3f} | "
+            lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['spec']} | {r['step_ms']:.3f} | "
                          f"{span if span is not None else '-'} | {r['gpu_busy_ms']:.3f} | {idle:.3f} | "
                          f"{r['attention_kernel_ms']:.3f} | {r['gpu_busy_ms'] - r['attention_kernel_ms']:.3f} | "
                          f"{r['step_ms'] - r['attention_kernel_ms']:.3f} | {r['kernel_launches']} |")
         lines += ["", "Heaviest kernels per step (us):", ""]
-        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], r["backend"])):
+        for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
-            lines.append(f"- {r['backend']} S={r['context']} B={r['batch']}: {kernels}")
+            lines.append(f"- {row_label(r)} S={r['context']} B={r['batch']}: {kernels}")
         lines.append("")
     starts = [r for r in rows if "start" in r]
     if starts:
@@ -512,7 +571,7 @@ def render(out_dir: Path) -> Path:
         lines.append("")
     errors = [r for r in rows if r.get("error")]
     if errors:
-        lines += ["## Errors", ""] + [f"- {r['backend']}: `{r['error'][-300:]}`" for r in errors]
+        lines += ["## Errors", ""] + [f"- {row_label(r)}: `{r['error'][-300:]}`" for r in errors]
     md = out_dir / "results.md"
     md.write_text("\n".join(lines) + "\n")
     import csv
@@ -540,8 +599,8 @@ def _plot(timed: list[dict], out_dir: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, (context, spec, graphs) in zip(axes[0], keys):
         cell = [r for r in timed if (r["context"], r["spec"], r["graphs"]) == (context, spec, graphs)]
-        for b in sorted({r["backend"] for r in cell}):
-            pts = sorted((r["batch"], r["step_ms"]) for r in cell if r["backend"] == b)
+        for b in sorted({row_label(r) for r in cell}):
+            pts = sorted((r["batch"], r["step_ms"]) for r in cell if row_label(r) == b)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b,
                     linestyle="-" if b.startswith("CUTE_MLA") else "--")
         ax.set_xscale("log", base=2)
@@ -579,6 +638,12 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the engines' KV cache: the model dtype (auto) or fp8 e4m3")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM TP)")
+    parser.add_argument("--decode-context-parallel-size", type=int, default=1,
+                        help="vLLM DCP size: ranks that shard the KV cache (divides the TP size)")
+    parser.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
+                        help="under DCP: tokens dealt to a rank at a time (1, or up to the block size, dividing it)")
+    parser.add_argument("--block-size", type=int, default=None, help="the engines' KV block size (default: vLLM's)")
     parser.add_argument("--timeout", type=float, default=560)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--model-dir", default=None, help="default: a config written into the output directory")
@@ -593,6 +658,10 @@ def main(argv=None) -> int:
     if args.worker_backend:
         worker(args)
         return 0
+    try:
+        check_parallel(args)
+    except ValueError as e:
+        parser.error(str(e))
     out_dir = Path(args.out_dir or ROOT / "benchmarks" / "results" / f"e2e_{time.strftime('%Y-%m-%d')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.report:

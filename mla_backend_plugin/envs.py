@@ -99,6 +99,10 @@ _float = _number(float, 0, "numbers of seconds >= 0, e.g. 120")
 _positive_int = _number(int, 1, "integers >= 1")
 
 
+def _directory(name: str, raw: str) -> str:
+    return os.path.abspath(os.path.expanduser(raw.strip()))
+
+
 def _int_list(name: str, raw: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
@@ -213,6 +217,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "FlashInfer's own variable, read (never set) here: a directory of trtllm-gen cubins. FlashInfer's "
            "trtllm-gen MLA kernel is a tuner candidate only when its cubins are local (this directory, or the "
            "`flashinfer-cubin` package); otherwise it would download them.", kind="path"),
+    EnvVar("CUTE_MLA_EVAL_MODEL_DIR", "",
+           "The model-level eval (`python -m mla_backend_plugin.evals`): the directory of its model (config.json + "
+           "model.safetensors). Default: the package's `evals/model/`, which only a source or editable install "
+           "holds (the serving wheel ships no eval weights).", kind="path", parse=_directory),
     EnvVar("MLA_TEST_KERNELS", "",
            "Tests only: comma-separated kernel names the per-kernel GPU tests run (default: every kernel "
            "that can run here)."),

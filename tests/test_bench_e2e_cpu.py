@@ -209,7 +209,8 @@ def test_a_timed_out_engine_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     args = argparse.Namespace(model_dir=str(tmp_path), batches=[1, 32], contexts=[1024], repeats=1,
                               gpu_memory_utilization=0.8, max_batched_tokens=16384, max_num_seqs=None, eager=False,
                               prefix_caching=True, prefix_tail=16, kernel_profile=False, timeout=5,
-                              kv_cache_dtype="fp8")
+                              kv_cache_dtype="fp8", tensor_parallel_size=1, decode_context_parallel_size=1,
+                              cp_kv_cache_interleave_size=1, block_size=None)
     rows = bench.run_backend(args, "X", 0, log_path=tmp_path / "log")
     assert rows[0]["step_ms"] == 2.0
     assert "timed out" in rows[1]["error"]
@@ -239,3 +240,67 @@ def test_backend_specs_name_a_kernel_and_environment():
         "CUTE_MLA", {"CUTE_MLA_KERNEL": "triton", "CUTE_MLA_DECODE_MAX_QUERY_LEN": "1"})
     with pytest.raises(ValueError, match="'FOO' is not VAR=VALUE"):
         bench.parse_backend("CUTE_MLA/FOO")
+
+
+def test_two_gpu_layouts_reach_the_engines_rows_and_report(tmp_path, capsys, monkeypatch):
+    """--tensor-parallel-size / --decode-context-parallel-size / --cp-kv-cache-interleave-size: the dry run lists the
+    layout, the worker is told it and hands it to vLLM (nothing on one GPU), rows and the report name it (a one-GPU
+    row keeps its plain name), and layouts vLLM or our kernels would refuse after an engine start are refused
+    before, naming the option and the allowed values."""
+    import argparse
+    import subprocess
+
+    bench = _bench()
+    dcp = ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]
+    assert bench.main(["--dry-run", "--out-dir", str(tmp_path), "--backends", "CUTE_MLA,FLASHMLA,FLASH_ATTN_MLA",
+                       "--batches", "32,128", "--contexts", "32768", "--spec", "0", *dcp]) == 0
+    cells = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(cells) == 6 and all((c["tp"], c["dcp"], c["interleave"]) == (2, 2, 1) for c in cells)
+    ns = argparse.Namespace(tensor_parallel_size=2, decode_context_parallel_size=2, cp_kv_cache_interleave_size=64,
+                            block_size=64)
+    assert bench.parallel_engine_args(ns) == {"tensor_parallel_size": 2, "decode_context_parallel_size": 2,
+                                              "cp_kv_cache_interleave_size": 64, "block_size": 64}
+    assert bench.parallel_engine_args(argparse.Namespace(tensor_parallel_size=1, decode_context_parallel_size=1,
+                                                         cp_kv_cache_interleave_size=1, block_size=None)) == {}
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, stdout='ROW {"backend": "CUTE_MLA", "batch": 32, "context": '
+                                           '32768, "spec": 0, "graphs": true, "step_ms": 3.0, "tokens_per_s": 10666.7, '
+                                           '"tp": 2, "dcp": 2, "interleave": 64}\n', stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = argparse.Namespace(model_dir=str(tmp_path), batches=[32], contexts=[32768], repeats=1,
+                              gpu_memory_utilization=0.8, max_batched_tokens=16384, max_num_seqs=None, eager=False,
+                              prefix_caching=True, prefix_tail=1, kernel_profile=False, timeout=5,
+                              kv_cache_dtype="auto", **vars(ns))
+    rows = bench.run_backend(args, "CUTE_MLA", 0)
+    cmd = seen["cmd"]
+    for flag, value in (("--tensor-parallel-size", "2"), ("--decode-context-parallel-size", "2"),
+                        ("--cp-kv-cache-interleave-size", "64"), ("--block-size", "64")):
+        assert cmd[cmd.index(flag) + 1] == value, flag
+    rows += [{"backend": "CUTE_MLA", "batch": 32, "context": 32768, "spec": 0, "graphs": True, "step_ms": 5.0,
+              "tokens_per_s": 6400.0, "tp": 2, "dcp": 1, "interleave": 1},
+             {"backend": "FLASHMLA", "batch": 32, "context": 32768, "spec": 0, "graphs": True, "step_ms": 4.0,
+              "tokens_per_s": 8000.0}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = bench.render(tmp_path).read_text()
+    assert "| CUTE_MLA tp2 dcp2 i64 | 3.000 (10666.7) | - | - |" in md
+    assert "| CUTE_MLA tp2 | 5.000 (6400.0) | - | - |" in md and "| FLASHMLA | 4.000 (8000.0) | - | - |" in md
+    for argv, message in (
+            (["--tensor-parallel-size", "3", "--decode-context-parallel-size", "2"],
+             "the DCP size dividing the TP size"),
+            ([*dcp, "--backends", "CUTE_MLA,CUTLASS_MLA"], "CUTLASS_MLA's decode returns no LSE; allowed backends "
+                                                           "under DCP: CUTE_MLA, TRITON_MLA, FLASHMLA, FLASH_ATTN_MLA"),
+            ([*dcp, "--backends", "FLASHMLA", "--cp-kv-cache-interleave-size", "64", "--spec", "0,1"],
+             "vLLM 0.26 refuses it for FLASHMLA; allowed: interleave 1, no speculation, or CUTE_MLA"),
+            (["--tensor-parallel-size", "16", "--backends", "CUTE_MLA"],
+             "128 heads / 16 x 1 = 8 query heads per call; allowed: 16, 32, 64, 128"),
+            (["--tensor-parallel-size", "2", "--kernel-profile"], "allowed: --tensor-parallel-size 1")):
+        with pytest.raises(SystemExit):
+            bench.main(["--dry-run", "--out-dir", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err, argv
+    # speculation with interleave > 1 is ours alone; CUTE_MLA takes it
+    assert bench.main(["--dry-run", "--out-dir", str(tmp_path), *dcp, "--backends", "CUTE_MLA",
+                       "--cp-kv-cache-interleave-size", "64", "--spec", "0,1"]) == 0

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from mla_backend_plugin.evals import MODEL_DIR, tasks
-from mla_backend_plugin.evals import __main__ as ev
+from mla_backend_plugin.evals import MODEL_DIR, plan, reference, report, runner, stats, tasks, worker
+from mla_backend_plugin.evals import __main__ as evals_main
 from mla_backend_plugin.evals.model import (
     EvalModel,
     EvalModelConfig,
@@ -132,13 +132,13 @@ def test_checkpoint_round_trip_in_hf_layout(tmp_path):
 
 
 def test_statistics():
-    lo, hi = ev.wilson(50, 100)
+    lo, hi = stats.wilson(50, 100)
     assert 0.40 < lo < 0.41 and 0.59 < hi < 0.60
-    assert ev.wilson(0, 10)[0] == 0.0 and ev.wilson(10, 10)[1] == 1.0
-    assert ev.worse_p_value(40, 100, 80, 100) < 1e-6 and ev.worse_p_value(80, 100, 40, 100) > 0.99
+    assert stats.wilson(0, 10)[0] == 0.0 and stats.wilson(10, 10)[1] == 1.0
+    assert stats.worse_p_value(40, 100, 80, 100) < 1e-6 and stats.worse_p_value(80, 100, 40, 100) > 0.99
     p = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0]), 0)
     q = torch.log_softmax(torch.tensor([1.0, 2.0, 2.5]), 0)
-    assert ev.kl_divergence(p, p) == 0 and ev.kl_divergence(p, q) > 0
+    assert stats.kl_divergence(p, p) == 0 and stats.kl_divergence(p, q) > 0
 
 
 def test_verdicts_flag_a_worse_kernel_only():
@@ -148,9 +148,9 @@ def test_verdicts_flag_a_worse_kernel_only():
                 "length": 1024, "hits": hits, "n": 100, "accuracy": hits / 100, "kl_mean": kl}
     rows = [row("reference", False, 90, 0.0), row("FLASHMLA", False, 89), row("CUTE_MLA[cute_sm90]", True, 88),
             row("torch bf16", False, 99, 1e-9)]  # not a vLLM backend: neither the best peer nor the KL yardstick
-    assert ev.verdicts(rows) == []
+    assert stats.verdicts(rows) == []
     bad = rows + [row("CUTE_MLA[triton]", True, 60), row("CUTE_MLA[xqa_sm120]", True, 89, kl=0.5)]
-    found = ev.verdicts(bad)
+    found = stats.verdicts(bad)
     assert len(found) == 3 and all("triton" in f or "xqa" in f for f in found), found
 
 
@@ -158,11 +158,11 @@ def test_outputs_and_dry_run(tmp_path):
     rows = [{"condition": "reference", "backend": "reference", "ours": False, "kv_dtype": "auto", "mode": "-",
              "spec": 0, "task": t, "length": n, "hits": 9, "n": 10, "accuracy": 0.9, "ci_low": 0.6, "ci_high": 0.98,
              "kl_mean": 0.0, "kl_max": 0.0, "kl_tokens": 0} for t in tasks.TASKS for n in (1024, 4096)]
-    paths = ev.write_outputs(rows, str(tmp_path))
+    paths = report.write_outputs(rows, str(tmp_path))
     assert any(p.endswith(".png") for p in paths)
     with open(paths[1]) as f:
         assert "| reference | retrieve | 1024 | 0.900" in f.read()
-    conds = ev.conditions(["CUTE_MLA", "TRITON_MLA", "FLASH_ATTN_MLA"], ["auto", "triton"], ["auto", "fp8"],
+    conds = plan.conditions(["CUTE_MLA", "TRITON_MLA", "FLASH_ATTN_MLA"], ["auto", "triton"], ["auto", "fp8"],
                           ["eager", "graphs"], [0, 3])
     labels = {c.label for c in conds}
     assert "CUTE_MLA[triton] kv=fp8 graphs spec3" in labels and "TRITON_MLA kv=bf16 eager" in labels
@@ -178,25 +178,25 @@ def test_device_plan():
     vLLM allows it); eager and n-gram speculation only for CUTE_MLA auto and FLASHMLA; ours before the peers."""
     from mla_backend_plugin.ops.registry import KERNELS
 
-    plan = ev.device_plan()
-    labels = [c.label for c in plan.conditions]
+    device = plan.device_plan()
+    labels = [c.label for c in device.conditions]
     assert len(labels) == len(set(labels)) and labels[0] == "torch bf16"
-    sm90 = [k for k in ev.OUR_KERNELS if k == "auto" or "sm_90a" in KERNELS[k].archs]
+    sm90 = [k for k in plan.OUR_KERNELS if k == "auto" or "sm_90a" in KERNELS[k].archs]
     assert set(sm90) == {"auto", "cute_sm90", "triton", "xqa_sm120"}  # xqa_sm120 has an sm_90a build
     for kernel in sm90:
         for kv in ("bf16", "fp8"):
             assert f"CUTE_MLA[{kernel}] kv={kv} graphs" in labels
-    for peer in ev.PEER_BACKENDS:
+    for peer in plan.PEER_BACKENDS:
         assert f"{peer} kv=bf16 graphs" in labels
-        assert (f"{peer} kv=fp8 graphs" in labels) == (peer not in ev.NO_FP8)
-    extra = {c.label for c in plan.conditions if c.mode == "eager" or c.spec}
+        assert (f"{peer} kv=fp8 graphs" in labels) == (peer not in plan.NO_FP8)
+    extra = {c.label for c in device.conditions if c.mode == "eager" or c.spec}
     assert extra == {f"{name} kv={kv} {mode}" for name in ("CUTE_MLA[auto]", "FLASHMLA") for kv in ("bf16", "fp8")
                      for mode in ("eager", "graphs spec3")}
-    assert max(i for i, c in enumerate(plan.conditions) if c.ours and c.mode == "graphs" and not c.spec) < min(
-        i for i, c in enumerate(plan.conditions) if c.backend in ev.PEER_BACKENDS)
-    assert plan.lengths == (1024, 4096, 8192) and plan.budget_s < 9 * 60  # one device call, 10 minutes at most
+    assert max(i for i, c in enumerate(device.conditions) if c.ours and c.mode == "graphs" and not c.spec) < min(
+        i for i, c in enumerate(device.conditions) if c.backend in plan.PEER_BACKENDS)
+    assert device.lengths == (1024, 4096, 8192) and device.budget_s < 9 * 60  # one device call, 10 minutes at most
     # the flags filter the plan; the torch condition (no cache, no mode) only by backend
-    picked = ev.select(plan.conditions, ["CUTE_MLA", "torch"], ["auto"], ["fp8"], ["graphs"], [0])
+    picked = plan.select(device.conditions, ["CUTE_MLA", "torch"], ["auto"], ["fp8"], ["graphs"], [0])
     assert [c.label for c in picked] == ["torch bf16", "CUTE_MLA[auto] kv=fp8 graphs"]
     out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--plan", "device",
                           "--jobs", "8"], capture_output=True, text=True, check=True).stdout
@@ -207,23 +207,23 @@ def test_device_plan():
 def test_worker_env_and_engine_args():
     """Each engine: its own kernel (an inherited CUTE_MLA_KERNEL does not leak into auto), its own vLLM cache,
     the engine in-process; the same fixed KV cache and engine arguments whatever --jobs is."""
-    auto = ev.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0)
-    triton = ev.Condition("CUTE_MLA", "triton", "auto", "eager", 3)
+    auto = plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0)
+    triton = plan.Condition("CUTE_MLA", "triton", "auto", "eager", 3)
     os.environ["CUTE_MLA_KERNEL"] = "reference"
     try:
-        assert "CUTE_MLA_KERNEL" not in ev.worker_env(auto, 1, "/c0")
-        env = ev.worker_env(triton, 8, "/c1")
+        assert "CUTE_MLA_KERNEL" not in worker.worker_env(auto, 1, "/c0")
+        env = worker.worker_env(triton, 8, "/c1")
     finally:
         del os.environ["CUTE_MLA_KERNEL"]
     assert env["CUTE_MLA_KERNEL"] == "triton" and env["VLLM_CACHE_ROOT"] == "/c1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and int(env["OMP_NUM_THREADS"]) >= 1
     hf = hf_config(tasks.VOCAB_SIZE)
-    kwargs = ev.engine_kwargs(triton, hf, 8192)
+    kwargs = worker.engine_kwargs(triton, hf, 8192)
     assert kwargs["enforce_eager"] and kwargs["speculative_config"]["num_speculative_tokens"] == 3
     # 32 sequences of 8208 tokens x the layers x 576 values x 2 bytes fit, with room for lookahead slots
     need = 32 * 8208 * hf["num_hidden_layers"] * 576 * 2
     assert need < kwargs["kv_cache_memory_bytes"] < 2 * need
-    assert ev.engine_kwargs(auto, hf, 8192)["kv_cache_memory_bytes"] == kwargs["kv_cache_memory_bytes"]
+    assert worker.engine_kwargs(auto, hf, 8192)["kv_cache_memory_bytes"] == kwargs["kv_cache_memory_bytes"]
 
 
 def _tiny_model(seed: int = 0) -> EvalModel:
@@ -248,9 +248,9 @@ def test_torch_reference_is_greedy_decoding_and_teacher_forcing():
     solved = [dataclasses.replace(p, answer=g) for p, g in zip(problems, greedy)]  # the model "solves" these
     for probs in (problems, solved, problems[:2] + solved[2:]):
         for batch_tokens in (1, 4096):
-            ref = ev.TorchReference(model, probs, torch.device("cpu"), batch_tokens=batch_tokens)
+            ref = reference.TorchReference(model, probs, torch.device("cpu"), batch_tokens=batch_tokens)
             assert ref.greedy() == greedy
-    ref = ev.TorchReference(model, problems, torch.device("cpu"))
+    ref = reference.TorchReference(model, problems, torch.device("cpu"))
     answers = [p.answer for p in problems[:3]] + [greedy[3][:1], [], greedy[5]]
     for p, gen, lp in zip(problems, answers, ref.logprobs(answers)):
         assert lp.shape == (len(gen), tasks.VOCAB_SIZE)
@@ -267,8 +267,8 @@ def test_score_kl_over_finite_vectors():
     test[1] = torch.log_softmax(test[1], -1)
     test[2, 0] = -math.inf  # a vector vLLM did not return whole: not compared
     p = tasks.Problem("retrieve", [0], [1, 2, 3], 0)
-    s = ev.score([p], [{"tokens": [1, 2, 4], "logprobs": test}], [ref])
-    assert s["hits"] == 0 and s["kl_tokens"] == 2 and s["kl_max"] == pytest.approx(ev.kl_divergence(ref[1], test[1]))
+    s = stats.score([p], [{"tokens": [1, 2, 4], "logprobs": test}], [ref])
+    assert s["hits"] == 0 and s["kl_tokens"] == 2 and s["kl_max"] == pytest.approx(stats.kl_divergence(ref[1], test[1]))
     assert s["kl_mean"] == pytest.approx(s["kl_max"] / 2)
 
 
@@ -281,16 +281,16 @@ def test_runner_jobs_timeouts_budget(tmp_path):
     killed; one the budget ends is "cut"; nothing started when too little of the budget is left."""
     import time
 
-    runs = [ev.Run("sleep", _python("import time; time.sleep(1)"), None, str(tmp_path / "0.log")),
-            ev.Run("fail", _python("import sys; print('RuntimeError: boom'); print('exiting'); sys.exit(3)"), None,
-                   str(tmp_path / "1.log")),
-            ev.Run("hang", _python("import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, flush=True); "
-                                   "time.sleep(60)"), None, str(tmp_path / "2.log")),
-            ev.Run("quick", _python("print('done')"), None, str(tmp_path / "3.log"))]
-    runner = ev.Runner(runs, jobs=2, timeout_s=3)
+    runs = [runner.Run("sleep", _python("import time; time.sleep(1)"), None, str(tmp_path / "0.log")),
+            runner.Run("fail", _python("import sys; print('RuntimeError: boom'); print('exiting'); sys.exit(3)"),
+                       None, str(tmp_path / "1.log")),
+            runner.Run("hang", _python("import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, "
+                                       "flush=True); time.sleep(60)"), None, str(tmp_path / "2.log")),
+            runner.Run("quick", _python("print('done')"), None, str(tmp_path / "3.log"))]
+    procs = runner.Runner(runs, jobs=2, timeout_s=3)
     start, most = time.monotonic(), 0
-    while not runner.done():
-        runner.poll()
+    while not procs.done():
+        procs.poll()
         most = max(most, sum(r.status == "running" for r in runs))
         time.sleep(0.05)
     assert most == 2 and time.monotonic() - start < 15
@@ -300,18 +300,18 @@ def test_runner_jobs_timeouts_budget(tmp_path):
     child = int((tmp_path / "2.log").read_text().split()[0])  # the hung process's own child died with its group
     stat = pathlib.Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"  # gone, or a zombie of init
-    late = [ev.Run(name, _python("import time; time.sleep(1.5)"), None, str(tmp_path / f"{name}.log"))
+    late = [runner.Run(name, _python("import time; time.sleep(1.5)"), None, str(tmp_path / f"{name}.log"))
             for name in ("first", "second")]
-    runner = ev.Runner(late, jobs=1, timeout_s=60, deadline=time.monotonic() + 2.5, min_start_s=2)
-    while not runner.done():
-        runner.poll()
+    procs = runner.Runner(late, jobs=1, timeout_s=60, deadline=time.monotonic() + 2.5, min_start_s=2)
+    while not procs.done():
+        procs.poll()
         time.sleep(0.05)
     assert [r.status for r in late] == ["ok", "skipped"]
     # the budget ending a condition before its own timeout is "cut", not "timeout": no verdict on it
-    slow = [ev.Run("slow", _python("import time; time.sleep(30)"), None, str(tmp_path / "slow.log"))]
-    runner = ev.Runner(slow, jobs=1, timeout_s=60, deadline=time.monotonic() + 1.0, min_start_s=0.5)
-    while not runner.done():
-        runner.poll()
+    slow = [runner.Run("slow", _python("import time; time.sleep(30)"), None, str(tmp_path / "slow.log"))]
+    procs = runner.Runner(slow, jobs=1, timeout_s=60, deadline=time.monotonic() + 1.0, min_start_s=0.5)
+    while not procs.done():
+        procs.poll()
         time.sleep(0.05)
     assert slow[0].status == "cut" and slow[0].detail.startswith("the run's time budget ended it")
 
@@ -327,7 +327,7 @@ def test_eval_end_to_end_with_the_torch_condition(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(hf))
     _tiny_model().save_hf(str(model_dir))
     out = tmp_path / "out"
-    code = ev.main(["--model", str(model_dir), "--backends", "torch", "--lengths", "64,128", "--problems", "3",
+    code = evals_main.main(["--model", str(model_dir), "--backends", "torch", "--lengths", "64,128", "--problems", "3",
                     "--jobs", "2", "--out", str(out)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
@@ -428,3 +428,132 @@ def test_training_plan_is_a_function_of_the_step_and_a_cut_run_repeats(tmp_path)
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps_total"] == 8 and log["final"]["step"] == 3
     assert EvalModel.load_hf(str(out)).c.num_hidden_layers == 2
+
+
+def test_the_model_directory_and_the_message_when_its_weights_are_missing(tmp_path, monkeypatch):
+    """The eval model comes from CUTE_MLA_EVAL_MODEL_DIR when set, else the package's model/ (a source install);
+    a directory without the weights (the serving wheel ships none) is refused with how to get them, by the
+    library call and by the CLI (exit 2) before anything starts."""
+    from mla_backend_plugin import evals
+
+    monkeypatch.delenv("CUTE_MLA_EVAL_MODEL_DIR", raising=False)
+    assert evals.model_dir() == MODEL_DIR
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("CUTE_MLA_EVAL_MODEL_DIR", str(empty))
+    assert evals.model_dir() == str(empty)
+    why = evals.missing_model(str(empty))
+    for part in (f"no eval model in {empty}", "config.json and model.safetensors", "serving wheel does not ship",
+                 "pip install -e .", "CUTE_MLA_EVAL_MODEL_DIR", "python -m mla_backend_plugin.evals.train"):
+        assert part in why, (part, why)
+    with pytest.raises(FileNotFoundError, match="set CUTE_MLA_EVAL_MODEL_DIR"):
+        evals.require_model()
+    (empty / "config.json").write_text("{}")
+    assert "missing model.safetensors" in evals.missing_model(str(empty))
+    proc = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--backends", "torch", "--lengths", "64",
+                           "--problems", "1", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**os.environ, "CUTE_MLA_EVAL_MODEL_DIR": str(empty)})
+    assert proc.returncode == 2 and "The serving wheel does not ship the eval weights" in proc.stderr, proc.stderr
+    assert f"model {empty}" in proc.stdout
+    assert evals.require_model(MODEL_DIR) == MODEL_DIR or not os.path.exists(SHIPPED_WEIGHTS)
+
+
+def test_widened_heads_are_the_same_function(tmp_path):
+    """widen_heads repeats each attention head (q_proj and kv_b_proj rows, o_proj columns / factor): the checkpoint
+    has factor x the heads and computes the same logits (float64), so TP can split it where the original cannot."""
+    import json
+
+    hf = hf_config(tasks.VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(3)
+    model = EvalModel(EvalModelConfig.from_hf(hf))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    model.save_hf(str(src), dtype=torch.float32)
+    from mla_backend_plugin.evals.model import widen_heads
+
+    assert widen_heads(str(src), str(dst), 2) == str(dst)
+    wide_hf = json.loads((dst / "config.json").read_text())
+    assert wide_hf["num_attention_heads"] == wide_hf["num_key_value_heads"] == 32
+    narrow = EvalModel.load_hf(str(src), dtype=torch.float64)
+    wide = EvalModel.load_hf(str(dst), dtype=torch.float64)
+    assert wide.c.num_attention_heads == 32 and wide.c.softmax_scale == narrow.c.softmax_scale
+    tokens = torch.tensor([tasks.make_problem("hop2", 96, 1).prompt])
+    with torch.no_grad():
+        torch.testing.assert_close(wide(tokens), narrow(tokens), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="allowed: an integer >= 1"):
+        widen_heads(str(src), str(tmp_path / "x"), 0)
+
+
+def test_parallel_layouts_conditions_and_refusals():
+    """Every vLLM condition under each (TP, DCP, interleave) where DCP divides TP, labelled by its layout (one GPU
+    keeps today's labels); speculation with an interleave > 1 only for CUTE_MLA (vLLM 0.26 refuses the peers);
+    layouts CUTE_MLA cannot run are refused naming the options and the allowed values; the engine arguments."""
+    layouts = plan.parallel_layouts([1, 2], [1, 2], [1, 64])
+    assert layouts == ((1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 64))
+    with pytest.raises(ValueError, match="no combination where the DCP size divides the TP size"):
+        plan.parallel_layouts([1], [2], [1])
+    base = plan.conditions(["CUTE_MLA", "FLASHMLA"], ["auto"], ["auto"], ["graphs"], [0, 3])
+    conds = plan.with_layouts([plan.TORCH_CONDITION] + base, layouts)
+    labels = [c.label for c in conds]
+    assert labels[:5] == ["torch bf16", "CUTE_MLA[auto] kv=bf16 graphs", "CUTE_MLA[auto] kv=bf16 graphs tp2",
+                          "CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i1", "CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i64"]
+    assert "CUTE_MLA[auto] kv=bf16 graphs spec3 tp2 dcp2 i64" in labels
+    assert "FLASHMLA kv=bf16 graphs spec3 tp2 dcp2 i1" in labels
+    assert "FLASHMLA kv=bf16 graphs spec3 tp2 dcp2 i64" not in labels
+    assert plan.with_layouts(base, plan.SINGLE_GPU) == base
+    plan.check_layouts(conds, 32)  # the 16-head model widened x2: 16 per rank at TP 2, 32 per call under DCP 2
+    assert plan.layout_problem("FLASHMLA", 16, 2, 1) is None  # vLLM's backends take 8 heads per rank
+    assert "query heads per call" in plan.layout_problem("CUTE_MLA", 16, 2, 1)
+    assert "allowed backends under DCP" in plan.layout_problem("CUTLASS_MLA", 128, 2, 2)
+    assert plan.conditions(["CUTLASS_MLA"], [], ["auto"], ["graphs"], [0], ((2, 2, 1),)) == []
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 --decode-context-parallel-size 1: CUTE_MLA would "
+                                         r"decode 16 heads / 2 x 1 = 8 query heads per call; allowed: 16, 32, 64, "
+                                         r"128\. With 16 heads, \(TP, DCP\) in \[\(1, 1\), \(2, 2\).*; "
+                                         r"--widen-heads multiplies the heads"):
+        plan.check_layouts(conds, 16)
+    plan.check_layouts([c for c in conds if not c.ours or c.dcp == c.tp], 16)  # the peers take 8 heads per rank
+    with pytest.raises(ValueError, match="--decode-context-parallel-size 1: the model's 6 attention heads do not"):
+        plan.check_layouts([plan.Condition("FLASHMLA", "-", "auto", "graphs", 0, 4, 1, 1)], 6)
+    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 8: .* allowed: 1, 16, 32, 64, 128"):
+        plan.check_layouts([plan.Condition("CUTE_MLA", "auto", "auto", "graphs", 0, 2, 2, 8)], 32)
+    hf = hf_config(tasks.VOCAB_SIZE)
+    dcp = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 3, 2, 2, 64), hf, 4096)
+    assert (dcp["tensor_parallel_size"], dcp["decode_context_parallel_size"], dcp["cp_kv_cache_interleave_size"],
+            dcp["block_size"]) == (2, 2, 64, 64)
+    tp = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0, 2), hf, 4096)
+    assert tp["tensor_parallel_size"] == 2 and "decode_context_parallel_size" not in tp and "block_size" not in tp
+    one = worker.engine_kwargs(plan.Condition("CUTE_MLA", "auto", "fp8", "graphs", 0), hf, 4096)
+    assert not {"tensor_parallel_size", "decode_context_parallel_size", "block_size"} & set(one)
+    out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--backends", "CUTE_MLA",
+                          "--kernels", "auto", "--modes", "graphs", "--spec", "0", "--kv-dtypes", "auto",
+                          "--tensor-parallel-size", "1,2", "--decode-context-parallel-size", "1,2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "8 query heads per call" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "mla_backend_plugin.evals", "--dry-run", "--backends", "CUTE_MLA",
+                          "--kernels", "auto", "--modes", "graphs", "--spec", "0", "--kv-dtypes", "auto",
+                          "--tensor-parallel-size", "1,2", "--decode-context-parallel-size", "1,2",
+                          "--widen-heads", "2"], capture_output=True, text=True, check=True).stdout
+    assert "with each head x2" in out and out.splitlines()[1:] == [
+        "  CUTE_MLA[auto] kv=bf16 graphs", "  CUTE_MLA[auto] kv=bf16 graphs tp2",
+        "  CUTE_MLA[auto] kv=bf16 graphs tp2 dcp2 i1"]
+
+
+def test_verdicts_judge_a_dcp_condition_against_the_same_without_dcp():
+    def row(cond, hits, kl, tp=1, dcp=1, interleave=1, backend="CUTE_MLA"):
+        return {"condition": cond, "backend": backend, "kernel": "auto" if backend == "CUTE_MLA" else "-",
+                "ours": backend == "CUTE_MLA", "kv_dtype": "auto", "mode": "graphs", "spec": 0, "tp": tp, "dcp": dcp,
+                "interleave": interleave, "task": "retrieve", "length": 1024, "hits": hits, "n": 100,
+                "accuracy": hits / 100, "kl_mean": kl}
+    one, tp2 = row("one", 90, 1e-3), row("tp2", 90, 2e-3, tp=2)
+    good = row("tp2 dcp2", 89, 3e-3, tp=2, dcp=2)
+    assert stats.dcp_twin(good, [one, tp2, good]) is tp2 and stats.dcp_twin(good, [one, good]) is one
+    assert stats.dcp_twin(good, [good, row("peer", 90, 1e-3, backend="FLASHMLA")]) is None
+    assert stats.verdicts([one, tp2, good]) == []
+    worse = row("tp2 dcp2 i64", 60, 5e-3, tp=2, dcp=2, interleave=64)
+    found = stats.verdicts([one, tp2, worse])
+    assert len(found) == 2 and "below tp2 0.900 without DCP" in found[0] and "> 2.0 x tp2's" in found[1], found
+    tiny = [row("tp2", 90, 1e-5, tp=2), row("tp2 dcp2", 90, 5e-4, tp=2, dcp=2)]  # both negligible
+    assert stats.verdicts(tiny) == []

@@ -12,8 +12,8 @@ The thresholds come from that run, not from constants that a broken kernel could
   perturbation grows with its square. Two: vLLM's own TRITON_MLA with the same KV dtype (it reads the same cache
   that vLLM wrote, fp8 rounding included).
 
-The model: ``mla_backend_plugin/evals/model`` (MODEL_DIR) or the directory in ``MLA_EVAL_MODEL_DIR``. Skipped
-without a GPU, without vLLM, or without weights.
+The model: the directory in ``CUTE_MLA_EVAL_MODEL_DIR``, else ``mla_backend_plugin/evals/model`` (a source
+install). Skipped without a GPU, without vLLM, or without weights.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -29,10 +28,9 @@ import pytest
 import torch
 from engine_result import engine_lock
 
-from mla_backend_plugin.evals import MODEL_DIR
-from mla_backend_plugin.evals import __main__ as ev
+from mla_backend_plugin.evals import missing_model, model_dir, plan, stats
 
-EVAL_MODEL = os.environ.get("MLA_EVAL_MODEL_DIR") or MODEL_DIR
+EVAL_MODEL = model_dir()
 LENGTH = 8192  # past DeepSeek's original 4096 (YaRN) and long enough for split-KV decode
 PROBLEMS = 40  # per task
 KV_DTYPES = ("auto", "fp8")
@@ -41,16 +39,14 @@ FP8_ROUNDING = (torch.finfo(torch.float8_e4m3fn).eps / torch.finfo(torch.bfloat1
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-              pytest.mark.skipif(not os.path.exists(os.path.join(EVAL_MODEL, "model.safetensors")),
-                                 reason=f"no eval model weights in {EVAL_MODEL} (train them: python -m "
-                                        "mla_backend_plugin.evals.train, or set MLA_EVAL_MODEL_DIR)")]
+              pytest.mark.skipif(missing_model(EVAL_MODEL) is not None, reason=str(missing_model(EVAL_MODEL)))]
 
 
 @pytest.fixture(scope="module")
 def eval_results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("evals")
     cmd = [sys.executable, "-m", "mla_backend_plugin.evals", "--model", EVAL_MODEL, "--backends",
-           f"CUTE_MLA,{YARDSTICK_BACKEND},{ev.TORCH}", "--kernels", "auto", "--kv-dtypes", ",".join(KV_DTYPES),
+           f"CUTE_MLA,{YARDSTICK_BACKEND},{plan.TORCH}", "--kernels", "auto", "--kv-dtypes", ",".join(KV_DTYPES),
            "--modes", "graphs", "--spec", "0", "--lengths", str(LENGTH), "--problems", str(PROBLEMS),
            "--jobs", "5", "--timeout", "300", "--out", str(out)]
     with engine_lock():  # its engines share the GPU with each other (fixed KV caches), not with other tests'
@@ -69,19 +65,19 @@ def _rows(results: dict, condition: str, kv_dtype: str | None = None) -> dict[st
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_cute_mla_is_as_accurate_as_the_float32_reference(eval_results, kv_dtype):
-    label = ev.Condition("CUTE_MLA", "auto", kv_dtype, "graphs", 0).label
+    label = plan.Condition("CUTE_MLA", "auto", kv_dtype, "graphs", 0).label
     runs = {r["condition"]: r for r in eval_results["runs"]}
     assert runs[label]["status"] == "ok", (runs[label], eval_results["stdout"][-3000:])
-    assert runs[ev.TORCH_CONDITION.label]["status"] == "ok", runs[ev.TORCH_CONDITION.label]
+    assert runs[plan.TORCH_CONDITION.label]["status"] == "ok", runs[plan.TORCH_CONDITION.label]
     ours = _rows(eval_results, label)
-    reference = _rows(eval_results, ev.REFERENCE, kv_dtype)
-    bf16 = _rows(eval_results, ev.TORCH_CONDITION.label)
-    peer = _rows(eval_results, ev.Condition(YARDSTICK_BACKEND, "-", kv_dtype, "graphs", 0).label)
+    reference = _rows(eval_results, plan.REFERENCE, kv_dtype)
+    bf16 = _rows(eval_results, plan.TORCH_CONDITION.label)
+    peer = _rows(eval_results, plan.Condition(YARDSTICK_BACKEND, "-", kv_dtype, "graphs", 0).label)
     assert set(ours) == set(reference) == set(bf16) and ours
     for task, row in ours.items():
         ref = reference[task]
         assert row["n"] == ref["n"] == PROBLEMS and row["length"] == LENGTH
-        p = ev.worse_p_value(row["hits"], row["n"], ref["hits"], ref["n"])
+        p = stats.worse_p_value(row["hits"], row["n"], ref["hits"], ref["n"])
         assert p >= 0.01, (f"{label} {task}: accuracy {row['accuracy']:.3f} below the reference's "
                            f"{ref['accuracy']:.3f} (p = {p:.2g})")
         floor = bf16[task]["kl_mean"]
@@ -90,6 +86,6 @@ def test_cute_mla_is_as_accurate_as_the_float32_reference(eval_results, kv_dtype
                       floor * (FP8_ROUNDING if kv_dtype == "fp8" else 1)}
         if task in peer and math.isfinite(peer[task]["kl_mean"]):
             yardsticks[YARDSTICK_BACKEND] = peer[task]["kl_mean"]
-        allowed = max(ev.NEGLIGIBLE_KL, ev.KL_FACTOR * max(yardsticks.values()))
+        allowed = max(stats.NEGLIGIBLE_KL, stats.KL_FACTOR * max(yardsticks.values()))
         assert row["kl_tokens"] >= row["n"], row  # at least each answer's first token was compared
         assert row["kl_mean"] <= allowed, f"{label} {task}: mean KL {row['kl_mean']:.3g} > {allowed:.3g} ({yardsticks})"

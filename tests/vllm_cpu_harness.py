@@ -545,8 +545,7 @@ def scenario_eval_engine_args() -> None:
     import json
     import tempfile
 
-    from mla_backend_plugin.evals import __main__ as ev
-    from mla_backend_plugin.evals import tasks
+    from mla_backend_plugin.evals import plan, tasks, worker
     from mla_backend_plugin.evals.model import hf_config
 
     install_fake_gpu()
@@ -557,10 +556,10 @@ def scenario_eval_engine_args() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(hf, f)
-        for cond in ev.device_plan().conditions:
-            if cond.backend == ev.TORCH:
+        for cond in plan.device_plan().conditions:
+            if cond.backend == plan.TORCH:
                 continue
-            kwargs = ev.engine_kwargs(cond, hf, 8192)
+            kwargs = worker.engine_kwargs(cond, hf, 8192)
             cfg = EngineArgs(model=model_dir, load_format="dummy", **kwargs).create_engine_config()
             assert cfg.attention_config.backend.name == cond.backend, (cond.label, cfg.attention_config.backend)
             assert cfg.cache_config.kv_cache_memory_bytes == kwargs["kv_cache_memory_bytes"], cond.label
@@ -573,6 +572,17 @@ def scenario_eval_engine_args() -> None:
             assert spec == cond.spec, (cond.label, spec)
             if cond.ours:
                 assert selected_mla_backend(cfg) == OUR_CLASS, cond.label
+        # the two-GPU layouts of benchmarks/run_dcp_two_gpus.sh: vLLM takes the eval's arguments for them
+        base = plan.conditions(["CUTE_MLA", "FLASHMLA"], ["auto"], ["auto", "fp8"], ["graphs"], [0, plan.NGRAM_TOKENS])
+        for cond in plan.with_layouts(base, plan.parallel_layouts([2], [1, 2], [1, 64])):
+            kwargs = worker.engine_kwargs(cond, hf, 8192)
+            cfg = EngineArgs(model=model_dir, load_format="dummy", distributed_executor_backend="mp",
+                             **kwargs).create_engine_config()
+            par = cfg.parallel_config
+            assert (par.tensor_parallel_size, par.decode_context_parallel_size) == (cond.tp, cond.dcp), cond.label
+            assert par.cp_kv_cache_interleave_size == cond.interleave, cond.label
+            assert cfg.cache_config.block_size == kwargs.get("block_size", cfg.cache_config.block_size), cond.label
+            assert cfg.attention_config.backend.name == cond.backend, cond.label
 
 
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}

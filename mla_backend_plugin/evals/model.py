@@ -279,6 +279,39 @@ def greedy_answer(model: EvalModel, prompt: list[int], n: int, device="cpu") -> 
     return out
 
 
+def widen_heads(src_dir: str, dst_dir: str, factor: int) -> str:
+    """Write into ``dst_dir`` the model of ``src_dir`` with every attention head repeated ``factor`` times, the same
+    function with ``factor`` x the heads (so that tensor parallelism leaves a head count our kernels take, e.g. the
+    16-head eval model as 32 heads: 16 per rank at TP 2). A head's rows of ``q_proj`` and ``kv_b_proj`` are
+    repeated, so each copy computes that head's attention output; its columns of ``o_proj`` are repeated and
+    divided by ``factor`` (exact in binary floating point), so the copies sum back to the original. Returns
+    ``dst_dir``."""
+    from safetensors.torch import load_file, save_file
+
+    if factor < 1:
+        raise ValueError(f"widen_heads: factor {factor}; allowed: an integer >= 1")
+    with open(os.path.join(src_dir, "config.json")) as f:
+        hf = json.load(f)
+    c = EvalModelConfig.from_hf(hf)
+    h = c.num_attention_heads
+    tensors = load_file(os.path.join(src_dir, "model.safetensors"))
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        for name, per_head in (("q_proj", c.qk_head_dim), ("kv_b_proj", c.qk_nope_head_dim + c.v_head_dim)):
+            w = tensors[p + name + ".weight"]
+            tensors[p + name + ".weight"] = w.view(h, per_head, -1).repeat_interleave(factor, 0).reshape(
+                h * factor * per_head, -1)
+        w = tensors[p + "o_proj.weight"]
+        tensors[p + "o_proj.weight"] = (w.view(w.shape[0], h, c.v_head_dim).repeat_interleave(factor, 1)
+                                        / factor).reshape(w.shape[0], -1).to(w.dtype)
+    os.makedirs(dst_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(dst_dir, "config.json"), "w") as f:
+        json.dump({**hf, "num_attention_heads": h * factor, "num_key_value_heads": h * factor}, f, indent=2)
+    return dst_dir
+
+
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -325,4 +358,4 @@ def expected_param_count(c: EvalModelConfig) -> int:
 
 
 __all__ = ["EvalModel", "EvalModelConfig", "apply_rope", "greedy_answer", "hf_config", "num_parameters",
-           "rope_cos_sin"]
+           "rope_cos_sin", "widen_heads"]
