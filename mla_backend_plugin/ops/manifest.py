@@ -42,6 +42,7 @@ from typing import Any
 
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant")
+SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
 COMBINES = ("shared", "own", "none")
 
 
