@@ -35,7 +35,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     m_blocks,
     softmax_scale_log2,
 )
-from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
+from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
 from mla_backend_plugin.ops.workspace import step_needs_plan
 
@@ -113,22 +113,22 @@ def variant_for(args, config: LaunchConfig) -> Variant:
 
 def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: str | None = None,
                     keep_dir: str | None = None):
-    """Compile one variant with symbolic sizes; ``arch`` (e.g. "sm_90a") compiles with no GPU present."""
+    """Compile one variant with symbolic sizes (cute_common/fake_tensors.py); ``arch`` (e.g. "sm_90a") compiles
+    with no GPU present."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from mla_backend_plugin.kernels.cute_common.compat import compile_options
+    from mla_backend_plugin.kernels.cute_common.fake_tensors import DTYPES, decode_tensors, int32_vector
 
     if isinstance(variant, PlanVariant):  # the step-plan kernel (cute_common/scheduler.py StepPlanKernel)
         from mla_backend_plugin.kernels.cute_common.scheduler import StepPlanKernel
 
-        ints = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
+        ints = [int32_vector() for _ in range(3)]
         return cute.compile(StepPlanKernel(variant.block_n, use_pdl=use_pdl), *ints, cutlass.Int32(1),
                             cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
                             make_fake_stream(), options=compile_options(arch, keep_dir))
-    from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
-
     if variant.fp8_mma:
         from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
     elif variant.schedule == "seesaw":
@@ -136,45 +136,21 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
     elif variant.schedule == "seesaw32":
         from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw32 import Sm90MlaDecodeSeesaw32 as kernel_class
     else:
-        kernel_class = Sm90MlaDecode
+        from mla_backend_plugin.kernels.cute_sm90.kernel import Sm90MlaDecode as kernel_class
 
-    def sym(div=1):
-        return cute.sym_int(divisibility=div)
-
-    qd, kvd, od = DTYPES[variant.q_dtype], DTYPES[variant.kv_dtype], DTYPES[variant.out_dtype]
-    q_align = 16 // (qd.width // 8)
-    kv_align = 16 // (kvd.width // 8)
-    H, D = variant.num_heads, KV_LORA_RANK
-    tokens = sym()
-    q_nope = make_fake_tensor(qd, (tokens, H, D), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    q_pe = make_fake_tensor(qd, (tokens, H, 64), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    # 64-bit page stride: a cache past 2 GiB (B=128 x 32k tokens of fp8) overflows 32-bit offsets
-    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576),
-                          (cute.sym_int(64, divisibility=kv_align), sym(kv_align), 1),
-                          assumed_align=16)
-    batch = sym()
-    block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
-    seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
-    # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
-    row_kv_lens = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    # 16-byte aligned rows (unsupported_reason checks it): the epilogue writes whole rows with 16-byte stores
-    o_align = 16 // (od.width // 8)
-    out = make_fake_tensor(od, (tokens, H, D), (sym(o_align), sym(o_align), 1), assumed_align=16)
-    lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     # A split item stores its partial O / l in the output dtype, not fp32, as FlashInfer's MLA kernels do: a
     # 64-row CTA writes 64 KB instead of 128 KB (a bf16 KV tile is 72 KB) and the combine reads half, for one
     # more rounding of the output dtype on each partial (benchmarks/NOTES.md, session 20). The LSEs stay fp32.
-    part_o = make_fake_tensor(od, (sym(), D), (D, 1), assumed_align=16)
-    part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
-    q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    work_items = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    combine_counters = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    t = decode_tensors(variant, partial_dtype=DTYPES[variant.out_dtype])
+    # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
+    row_kv_lens = int32_vector()
+    work_items = int32_vector()
+    combine_counters = int32_vector()
     op = kernel_class(variant, use_pdl=use_pdl)
-    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, row_kv_lens, out, lse, part_o, part_lse, q_scale_t,
-                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), work_items,
-                        cutlass.Int32(1), combine_counters,
-                        cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, keep_dir))
+    return cute.compile(op, t.q_nope, t.q_pe, t.kv, t.block_table, t.seq_lens, row_kv_lens, t.out, t.lse, t.part_o,
+                        t.part_lse, t.q_scale, t.kv_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
+                        cutlass.Float32(1.0), work_items, cutlass.Int32(1), combine_counters, cutlass.Int32(0),
+                        make_fake_stream(), options=compile_options(arch, keep_dir))
 
 
 def prebuild(args, config: LaunchConfig, cc) -> bool:
