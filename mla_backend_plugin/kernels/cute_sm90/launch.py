@@ -36,7 +36,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     softmax_scale_log2,
 )
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, SCHEDULES, LaunchConfig, PlanTile
 from mla_backend_plugin.ops.workspace import step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
@@ -81,18 +81,29 @@ def fp8_design_for(args) -> str:
 
 
 def default_config(args, cc) -> LaunchConfig:
+    """What runs when nobody chose: the environment's split plan, PDL, fp8 design (fp8 caches), schedule (16-bit
+    caches) and fused combine (envs.py)."""
+    fp8 = args.kv_dtype == FP8_DTYPE
     return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL,
-                        fp8_design=fp8_design_for(args) if args.kv_dtype == FP8_DTYPE else None)
+                        fp8_design=fp8_design_for(args) if fp8 else None,
+                        schedule=None if fp8 else envs.CUTE_MLA_SM90_SCHEDULE,
+                        fused_combine=envs.CUTE_MLA_FUSED_COMBINE)
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then: the other fp8 design (fp8 caches), PDL off, a larger split cap (all under the default's
-    split plan: the share plan is not a tuner candidate, benchmarks/NOTES.md session 19)."""
+    """The default, then: the other fp8 design (fp8 caches), PDL off, the other schedules (16-bit caches: seesaw32
+    is faster where a CTA runs 8-32 tiles, benchmarks/NOTES.md session 21; the lock step at B=8 in session 9's
+    A/B), each also with a larger split cap. All under the default's split plan (the share plan is not a tuner
+    candidate, benchmarks/NOTES.md session 19) and combine: the combine kernel after a grid that fits at once was
+    slower or equal in every cell measured (session 12: the fused combine 0.92x time geomean, no cell above
+    1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
         out += [dataclasses.replace(first, fp8_design=d) for d in FP8_DESIGNS if d != first.fp8_design]
     out += [dataclasses.replace(c, enable_pdl=not c.enable_pdl) for c in list(out)]
+    if first.schedule is not None:
+        out += [dataclasses.replace(first, schedule=s) for s in SCHEDULES if s != first.schedule]
     out += [dataclasses.replace(c, max_splits=64) for c in list(out)]
     return list(dict.fromkeys(out))
 
@@ -107,8 +118,15 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
-                   row_kv_lens=args.row_kv_lens is not None,
-                   schedule="lockstep" if args.kv_dtype == FP8_DTYPE else envs.CUTE_MLA_SM90_SCHEDULE)
+                   row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config))
+
+
+def schedule_for(args, config: LaunchConfig) -> str:
+    """The config's schedule (16-bit caches; a config without one: CUTE_MLA_SM90_SCHEDULE); fp8 caches have one
+    schedule per design ("lockstep")."""
+    if args.kv_dtype == FP8_DTYPE:
+        return "lockstep"
+    return config.schedule or envs.CUTE_MLA_SM90_SCHEDULE
 
 
 def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: str | None = None,
@@ -183,11 +201,11 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fuses_combine(args, plan) -> bool:
+def fuses_combine(args, plan, wanted: bool = True) -> bool:
     """Whether the split kernel merges its partials itself (cute_common/epilogue.py ``fused_combine``) instead
-    of a second launch: only when the grid (m-blocks x work items) fits on the device's SMs at one CTA each,
-    since a request's CTAs wait for each other there; with CUTE_MLA_FUSED_COMBINE on (the default)."""
-    if not (plan.has_combine and envs.CUTE_MLA_FUSED_COMBINE):
+    of a second launch: when ``wanted`` (the config's ``fused_combine``) and the grid (m-blocks x work items) fits
+    on the device's SMs at one CTA each, since a request's CTAs wait for each other there."""
+    if not (plan.has_combine and wanted):
         return False
     ctas = m_blocks(args.num_heads, args.q_len) * plan.grid_items
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
@@ -237,7 +255,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
-    fused = fuses_combine(args, plan)
+    fused = fuses_combine(args, plan, config.fused_combine)
     if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
