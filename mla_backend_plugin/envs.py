@@ -132,11 +132,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("auto", "fp8mma", "dequant")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
-           "cute_sm90 with a 16-bit KV cache: `seesaw` (the two consumer warp groups work on alternate tiles, "
-           "one's softmax under the other's wgmma), `lockstep` (both on every tile; the v3 kernel, for "
-           "comparisons) or `seesaw32` (the seesaw's order on the two 32-key halves of each tile, so the next tile "
-           "loads meanwhile: 3-7% faster where a CTA runs 8-32 tiles, e.g. batch 8-32 at 4k-8k tokens, q_len 1; "
-           "slower with fewer or many more tiles per CTA and at q_len 2; benchmarks/NOTES.md, session 21).",
+           "cute_sm90 with a 16-bit KV cache, the schedule of its default config (`LaunchConfig.schedule`; the "
+           "tuner times all three): `seesaw` (the two consumer warp groups work on alternate tiles, one's softmax "
+           "under the other's wgmma), `lockstep` (both on every tile; the v3 kernel) or `seesaw32` (the seesaw's "
+           "order on the two 32-key halves of each tile, so the next tile loads meanwhile: 3-7% faster where a CTA "
+           "runs 8-32 tiles, e.g. batch 8-32 at 4k-8k tokens, q_len 1; slower with fewer or many more tiles per CTA "
+           "and at q_len 2; benchmarks/NOTES.md, session 21).",
            kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
@@ -147,9 +148,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "request among many short ones; else `balanced`). Work items run longest first in every plan.",
            kind="choice", choices=("auto", "balanced", "shares")),
     EnvVar("CUTE_MLA_FUSED_COMBINE", True,
-           "cute_sm90: when a split-KV grid fits on the GPU at once (small batches), merge the splits inside "
-           "the split kernel (one launch) instead of a second combine kernel; `0` always launches the "
-           "combine kernel.", kind="bool"),
+           "cute_sm90, the default of `LaunchConfig.fused_combine`: when a split-KV grid fits on the GPU at once "
+           "(small batches), merge the splits inside the split kernel (one launch) instead of a second combine "
+           "kernel; `0` always launches the combine kernel.", kind="bool"),
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),

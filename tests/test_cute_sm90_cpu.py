@@ -76,46 +76,63 @@ def test_fp8_design_by_batch_unless_named(monkeypatch):
     assert launch.default_config(_args(), (9, 0)).fp8_design is None  # 16-bit cache
 
 
-def test_schedule_follows_the_environment_for_16_bit_caches(monkeypatch):
-    """16-bit caches run the seesaw schedule unless CUTE_MLA_SM90_SCHEDULE=lockstep (a separate binary: its own
-    cache key); fp8 caches have one schedule per design; a bad value is refused by name."""
+def test_schedule_is_a_config_field_the_environment_defaults(monkeypatch):
+    """16-bit caches run the config's schedule (a separate binary each: its own cache key); the default config
+    takes CUTE_MLA_SM90_SCHEDULE (seesaw unless set), and so does a config that names none; a named schedule wins
+    over the environment; fp8 caches have one schedule per design; a bad value is refused by name."""
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
     monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
     seesaw = variant_for(_args())
     assert seesaw.schedule == "seesaw" and "lockstep" not in seesaw.name
+    assert launch.default_config(_args(), (9, 0)).schedule == "seesaw"
+    assert launch.default_config(fp8, (9, 0)).schedule is None
     monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "lockstep")
     lockstep = variant_for(_args())
     assert lockstep.schedule == "lockstep" and lockstep.name.endswith(" lockstep") and lockstep != seesaw
+    assert launch.default_config(_args(), (9, 0)).schedule == "lockstep"
+    assert variant_for(_args(), split_plan="auto").schedule == "lockstep"  # no schedule named: the environment's
+    assert variant_for(_args(), schedule="seesaw") == seesaw  # a named one wins
     assert variant_for(fp8).schedule == "lockstep" and "lockstep" not in variant_for(fp8).name
     monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "seesaw32")
     halves = variant_for(_args())
     assert halves.schedule == "seesaw32" and halves.name.endswith(" seesaw32") and halves not in (seesaw, lockstep)
-    assert variant_for(fp8).schedule == "lockstep"
+    assert variant_for(fp8).schedule == "lockstep" and variant_for(fp8, schedule="seesaw32").schedule == "lockstep"
     monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE")
+    assert variant_for(_args(), schedule="seesaw32") == halves
     assert variant_for(fp8).schedule == "lockstep"
     monkeypatch.setenv("CUTE_MLA_SM90_SCHEDULE", "pingpong")
     with pytest.raises(ValueError, match="CUTE_MLA_SM90_SCHEDULE='pingpong': allowed values are seesaw, lockstep"):
         variant_for(_args())
     with pytest.raises(ValueError, match="schedule 'pingpong'; allowed: seesaw, lockstep"):
         config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False, schedule="pingpong")
+    with pytest.raises(ValueError, match="LaunchConfig: schedule 'pingpong'; allowed: seesaw, lockstep, seesaw32"):
+        LaunchConfig(schedule="pingpong")
 
 
 def test_launch_configs(monkeypatch):
-    """The default follows the environment; the candidates a tuner sees cover both fp8 designs and PDL."""
+    """The default follows the environment; the candidates a tuner sees cover both fp8 designs (fp8 caches), every
+    schedule (16-bit caches) and PDL, all with the default's split plan and combine."""
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=8)
-    monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
-    monkeypatch.delenv("CUTE_MLA_PDL", raising=False)
-    monkeypatch.delenv("CUTE_MLA_SM90_PLAN", raising=False)
+    for name in ("CUTE_MLA_FP8_DESIGN", "CUTE_MLA_PDL", "CUTE_MLA_SM90_PLAN", "CUTE_MLA_SM90_SCHEDULE",
+                 "CUTE_MLA_FUSED_COMBINE"):
+        monkeypatch.delenv(name, raising=False)
     assert launch.default_config(fp8, (9, 0)) == LaunchConfig("auto", fp8_design="fp8mma", enable_pdl=True)
-    assert launch.default_config(_args(), (9, 0)) == LaunchConfig("auto", enable_pdl=True)
+    assert launch.default_config(_args(), (9, 0)) == LaunchConfig("auto", enable_pdl=True, schedule="seesaw")
+    bf16 = launch.configs(_args(), (9, 0))
+    assert bf16[0] == launch.default_config(_args(), (9, 0)) and len(set(bf16)) == len(bf16) == 8
+    assert {c.schedule for c in bf16} == set(config.SCHEDULES) and {c.enable_pdl for c in bf16} == {True, False}
+    assert all(c.fused_combine and c.fp8_design is None and c.split_plan == "auto" for c in bf16)
+    assert "cute_sm90:auto seesaw32 pdl" in {launch.MANIFEST.label(c) for c in bf16}
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
     monkeypatch.setenv("CUTE_MLA_PDL", "0")
     monkeypatch.setenv("CUTE_MLA_SM90_PLAN", "balanced")
-    assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="dequant", enable_pdl=False)
+    monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
+    assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="dequant", enable_pdl=False,
+                                                              fused_combine=False)
     candidates = launch.configs(fp8, (9, 0))
-    assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates)
+    assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates) == 8
     assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
-        True, False} and all(c.balanced for c in candidates)
+        True, False} and all(c.balanced and c.schedule is None and not c.fused_combine for c in candidates)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
     with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant"):
         launch.default_config(fp8, (9, 0))
@@ -474,7 +491,8 @@ def test_without_the_dsl_a_missing_prebuilt_says_what_to_do(monkeypatch, tmp_pat
 def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
     """The split kernel merges its own partials only when all of its CTAs fit on the device at once (a request's
     CTAs wait for each other): small batches; never past the device's SM count, however many SMs the workspace
-    was planned for; off with CUTE_MLA_FUSED_COMBINE=0 or when nothing is split."""
+    was planned for; off for a config with fused_combine=False (the default config's under CUTE_MLA_FUSED_COMBINE=0)
+    or when nothing is split."""
     from types import SimpleNamespace
 
     from mla_backend_plugin.ops.workspace import plan_splits
@@ -482,17 +500,19 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)
 
-    def fuses(batch, q_len, heads, num_sms=132):
+    def fuses(batch, q_len, heads, num_sms=132, wanted=True):
         args = SimpleNamespace(q_len=q_len, num_heads=heads, q_nope=SimpleNamespace(device=torch.device("cuda", 0)))
         return launch.fuses_combine(args, plan_splits(batch, q_len, heads, config.BLOCK_M, num_sms,
-                                                            balanced=True))
+                                                            balanced=True), wanted)
 
     assert fuses(1, 1, 128) and fuses(2, 1, 128) and fuses(1, 2, 128) and fuses(1, 4, 64) and fuses(2, 2, 16)
     assert not fuses(3, 1, 128) and not fuses(2, 2, 128) and not fuses(1, 4, 128) and not fuses(64, 1, 128)
     assert not fuses(8, 1, 128, num_sms=1000)  # planned for more SMs than the device has
     assert not fuses(1, 1, 128, num_sms=1)  # one work item per m-block: nothing to combine
+    assert not fuses(1, 1, 128, wanted=False)
+    assert launch.default_config(_args(), (9, 0)).fused_combine
     monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
-    assert not fuses(1, 1, 128)
+    assert not launch.default_config(_args(), (9, 0)).fused_combine
     key, nbytes = launch.scratch((9, 0), 1, 1, 128, 132)
     assert key == launch.COMBINE_SCRATCH and nbytes >= 4 * 132 and launch.scratch((10, 0), 1, 1, 128, 148) is None
 
@@ -515,14 +535,16 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     ws.scratch[launch.COMBINE_SCRATCH] = torch.zeros(4 * launch.COMBINE_COUNTERS, dtype=torch.uint8)
     counters = ws.scratch[launch.COMBINE_SCRATCH]
 
-    def run(batch):
+    def run(batch, config=None):
         seen.clear()
-        launch.launch(_args(q_len=1, batch=batch), ws, launch.default_config(_args(), (9, 0)))
+        launch.launch(_args(q_len=1, batch=batch), ws, config or launch.default_config(_args(), (9, 0)))
         return list(seen)
 
     (split,) = run(1)  # one launch, no combine
     assert split[2] == 1 and split[1].dtype == torch.int32 and split[1].data_ptr() == counters.data_ptr()
     split, after = run(8)  # 146 CTAs > 132 SMs: the combine kernel follows
+    assert split[2] == 0 and after == ("combine",)
+    split, after = run(1, dataclasses.replace(launch.default_config(_args(), (9, 0)), fused_combine=False))
     assert split[2] == 0 and after == ("combine",)
     monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
     split, after = run(1)

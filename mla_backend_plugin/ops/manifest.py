@@ -42,6 +42,7 @@ from typing import Any
 
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant")
+SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
 COMBINES = ("shared", "own", "none")
 
 
@@ -62,12 +63,19 @@ class LaunchConfig:
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)
     fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant"
     tile: tuple[int, ...] | None = None  # a family's tile, e.g. Triton's (block_m, block_n, warps, stages)
+    # cute_sm90 with a 16-bit cache: "seesaw" | "lockstep" | "seesaw32" (SCHEDULES); None = CUTE_MLA_SM90_SCHEDULE
+    schedule: str | None = None
+    # cute_sm90: merge the split partials inside the split kernel when its grid fits on the device at once (one
+    # launch); False = always the combine kernel
+    fused_combine: bool = True
 
     def __post_init__(self):
         if self.split_plan not in SPLIT_PLANS:
             raise ValueError(f"LaunchConfig: split_plan {self.split_plan!r}; allowed: {', '.join(SPLIT_PLANS)}")
         if self.fp8_design is not None and self.fp8_design not in FP8_DESIGNS:
             raise ValueError(f"LaunchConfig: fp8_design {self.fp8_design!r}; allowed: {', '.join(FP8_DESIGNS)}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"LaunchConfig: schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:
@@ -106,6 +114,10 @@ class LaunchConfig:
             parts.append(f"chunk>={self.min_chunk}")
         if self.fp8_design:
             parts.append(self.fp8_design)
+        if self.schedule:
+            parts.append(self.schedule)
+        if not self.fused_combine:
+            parts.append("no-fused-combine")
         if self.tile:
             parts.append("tile " + "x".join(map(str, self.tile)))
         parts.append("pdl" if self.enable_pdl else "no-pdl")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mla_backend_plugin.kernels.cute_common.variant import Variant as CuteVariant
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
 
 # ---- tile: a CTA pair (cluster 2x1x1) runs tcgen05.mma.cta_group::2 ----
@@ -76,41 +77,16 @@ ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    """Everything that changes the compiled binary (the compile-cache key)."""
+class Variant(CuteVariant):
+    """cute_sm100's variant: the common fields (cute_common/variant.py); one kernel form per dtype combination.
+    ``fp8``: the MMAs run kind::f8f6f4 (e4m3), else kind::f16 in the cache's dtype."""
 
-    kv_dtype: str  # "bf16" | "fp16" | "fp8"
-    q_dtype: str  # "bf16" | "fp16" | "fp8"
-    out_dtype: str  # "bf16" | "fp16"
-    num_heads: int
-    q_len: int
-    block_size: int
-    q_scale_is_ptr: bool
-    kv_scale_is_ptr: bool
-
-    @property
-    def fp8(self) -> bool:
-        """The MMAs run kind::f8f6f4 (e4m3); else kind::f16 in the cache's dtype."""
-        return self.kv_dtype == "fp8"
-
-    @property
-    def mma_dtype(self) -> str:
-        return self.kv_dtype
+    FAMILY = "cute_sm100"
 
     @property
     def q_parts(self) -> int:
         """Q products per k-step: 2 for a 16-bit q on an fp8 cache (e4m3 hi + lo), else 1."""
         return 2 if self.fp8 and self.q_dtype != "fp8" else 1
-
-    @property
-    def rows(self) -> int:
-        return self.q_len * self.num_heads
-
-    @property
-    def name(self) -> str:
-        scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
-        return (f"cute_sm100 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
-                f"q={self.q_dtype} out={self.out_dtype} {scales}")
 
 
 def m_blocks(num_heads: int, q_len: int) -> int:

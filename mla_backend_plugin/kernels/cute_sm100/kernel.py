@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from mla_backend_plugin.kernels.cute_common.barriers import Sm100DecodeBarrier as Bar
 from mla_backend_plugin.kernels.cute_common.compat import SmemAllocator, TmemAllocator
 from mla_backend_plugin.kernels.cute_common.epilogue import LN2, OutputStore, load_scales
+from mla_backend_plugin.kernels.cute_common.fake_tensors import DTYPES
 from mla_backend_plugin.kernels.cute_common.scheduler import BalancedScheduler
 from mla_backend_plugin.kernels.cute_sm100.config import (
     BLOCK_M,
@@ -74,7 +75,6 @@ from mla_backend_plugin.kernels.cute_sm100.config import (
 )
 
 D_NOPE = 512
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 F8 = cutlass.Float8E4M3FN
 FLOAT_INF = float("inf")
 SOFTMAX_THREADS = 128

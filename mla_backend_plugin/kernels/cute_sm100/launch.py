@@ -25,7 +25,6 @@ from mla_backend_plugin.kernels.cute_common.host import (
     scale_launch_args,
 )
 from mla_backend_plugin.kernels.cute_sm100.config import BLOCK_N, CTA_ROWS, Variant, softmax_scale_log2
-from mla_backend_plugin.ops.constants import KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
 
 # compute capability -> the arch the variant is compiled for (the cubins differ: sm_103a's exp2 and MMA paths)
@@ -78,41 +77,21 @@ def variant_for(args, config: LaunchConfig) -> Variant:
 
 
 def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = "sm_100a", keep_dir: str | None = None):
-    """Compile one variant with symbolic sizes for ``arch`` (no GPU needed)."""
+    """Compile one variant with symbolic sizes (cute_common/fake_tensors.py) for ``arch`` (no GPU needed)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from mla_backend_plugin.kernels.cute_common.compat import compile_options
-    from mla_backend_plugin.kernels.cute_sm100.kernel import DTYPES, Sm100MlaDecode
+    from mla_backend_plugin.kernels.cute_common.fake_tensors import decode_tensors, int32_vector
+    from mla_backend_plugin.kernels.cute_sm100.kernel import Sm100MlaDecode
 
-    def sym(div=1):
-        return cute.sym_int(divisibility=div)
-
-    qd, kvd, od = DTYPES[variant.q_dtype], DTYPES[variant.kv_dtype], DTYPES[variant.out_dtype]
-    q_align = 16 // (qd.width // 8)
-    kv_align = 16 // (kvd.width // 8)
-    H, D = variant.num_heads, KV_LORA_RANK
-    tokens = sym()
-    q_nope = make_fake_tensor(qd, (tokens, H, D), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    q_pe = make_fake_tensor(qd, (tokens, H, 64), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    # 64-bit page stride: a cache past 2 GiB (B=128 x 32k tokens of fp8) overflows 32-bit offsets
-    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576),
-                          (cute.sym_int(64, divisibility=kv_align), sym(kv_align), 1), assumed_align=16)
-    batch = sym()
-    block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
-    seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
-    out = make_fake_tensor(od, (tokens, H, D), (sym(8), sym(8), 1), assumed_align=16)  # 16-byte stores
-    lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
-    part_o = make_fake_tensor(cutlass.Float32, (sym(), D), (D, 1), assumed_align=16)
-    part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
-    q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    split_index = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    t = decode_tensors(variant, partial_dtype=cutlass.Float32)  # fp32 partials
+    split_index = int32_vector()
     op = Sm100MlaDecode(variant, use_pdl=use_pdl)
-    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, out, lse, part_o, part_lse, q_scale_t,
-                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), split_index,
-                        cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
+    return cute.compile(op, t.q_nope, t.q_pe, t.kv, t.block_table, t.seq_lens, t.out, t.lse, t.part_o, t.part_lse,
+                        t.q_scale, t.kv_scale, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0),
+                        split_index, cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1),
                         make_fake_stream(), options=compile_options(arch, keep_dir))
 
 

@@ -1,10 +1,11 @@
 """CuTe-DSL MLA decode for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV on the balanced plan.
 
 ``kernel_seesaw.py`` (16-bit caches, the default: the two consumer warp groups alternate tiles),
-``kernel.py`` (the lock-step schedule: 16-bit caches with CUTE_MLA_SM90_SCHEDULE=lockstep, and fp8 caches
-widened to 16 bits: design A), ``kernel_fp8mma.py`` (fp8 wgmma on
-fp8 caches: design B), ``config.py`` (tile, budgets, variant key), ``launch.py`` (registry entry points, compile
-cache, launch), ``build.py`` (ahead-of-time build with SASS checks). Shared CuTe pieces: kernels/cute_common.
+``kernel.py`` (the lock-step schedule: 16-bit caches with ``LaunchConfig.schedule="lockstep"``, and fp8 caches
+widened to 16 bits: design A), ``kernel_seesaw32.py`` (the seesaw on the 32-key halves of each tile,
+``schedule="seesaw32"``), ``kernel_fp8mma.py`` (fp8 wgmma on fp8 caches: design B), ``config.py`` (tile,
+budgets, variant key), ``launch.py`` (registry entry points, compile cache, launch), ``build.py`` (ahead-of-time
+build with SASS checks). Shared CuTe pieces: kernels/cute_common.
 """
 
 from mla_backend_plugin.ops.manifest import KernelManifest, lazy

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from mla_backend_plugin.kernels.cute_common.variant import Variant as CuteVariant
+from mla_backend_plugin.ops.manifest import SCHEDULES  # kernel_seesaw.py, kernel.py (lock step), kernel_seesaw32.py
+
 # One CTA owns 64 query rows (one wgmma M) of one request and one KV split, and walks the split's keys in
 # tiles of 64 (the wgmma N of Q K^T and the K of P V).
 BLOCK_M = 64
@@ -31,30 +34,21 @@ STAGE_ROW = 512 + 8
 STAGE_BYTES = BLOCK_M * STAGE_ROW * 2  # the output dtype (a split item's partial too: launch.compile_variant)
 
 
-# 16-bit caches: kernel_seesaw.py, kernel.py (lock step), kernel_seesaw32.py (the seesaw on the halves of one tile)
-SCHEDULES = ("seesaw", "lockstep", "seesaw32")
-
-
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    """Everything that changes the compiled binary (the compile-cache key)."""
+class Variant(CuteVariant):
+    """cute_sm90's variant: the common fields (cute_common/variant.py) and the SM90 kernel forms."""
 
-    kv_dtype: str  # "bf16" | "fp16" | "fp8"
-    q_dtype: str  # "bf16" | "fp16" | "fp8"
-    out_dtype: str  # "bf16" | "fp16"
-    num_heads: int
-    q_len: int
-    block_size: int
-    q_scale_is_ptr: bool
-    kv_scale_is_ptr: bool
+    FAMILY = "cute_sm90"
+
     # fp8 caches only: True = "design B" (kernel_fp8mma.py: fp8 wgmma on the fp8 tile, q quantised to e4m3
     # hi + lo, V transposed in shared memory), False = "design A" (kernel.py: widen the tile to 16 bits)
     fp8_mma: bool = False
     # True: each query row's key count is read from a [B, q_len] tensor (decode context parallelism with MTP,
     # where the q block's own tokens are not all in this rank's cache) instead of seq_len - q_len + t + 1
     row_kv_lens: bool = False
-    # 16-bit caches: "seesaw" (kernel_seesaw.py: the consumer groups alternate tiles) or "lockstep" (kernel.py:
-    # both groups on every tile); fp8 caches: always "lockstep" (the fp8 kernels have one schedule each)
+    # 16-bit caches: "seesaw" (kernel_seesaw.py: the consumer groups alternate tiles), "lockstep" (kernel.py:
+    # both groups on every tile) or "seesaw32" (kernel_seesaw32.py); fp8 caches: always "lockstep" (the fp8
+    # kernels have one schedule each)
     schedule: str = "seesaw"
 
     def __post_init__(self):
@@ -68,13 +62,11 @@ class Variant:
         return self.out_dtype if self.q_dtype == "fp8" else self.q_dtype
 
     @property
-    def name(self) -> str:
-        scales = f"{'qT' if self.q_scale_is_ptr else 'qF'}{'kT' if self.kv_scale_is_ptr else 'kF'}"
+    def options(self) -> str:
         design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
         rows = " row_kv_lens" if self.row_kv_lens else ""
         schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
-        return (f"cute_sm90 h{self.num_heads} q{self.q_len} bs{self.block_size} kv={self.kv_dtype} "
-                f"q={self.q_dtype} out={self.out_dtype} {scales}{design}{rows}{schedule}")
+        return f"{design}{rows}{schedule}"
 
 
 @dataclasses.dataclass(frozen=True)

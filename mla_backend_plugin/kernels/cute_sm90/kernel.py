@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mla_backend_plugin.kernels.cute_common.barriers import consumer_barrier
 from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
 from mla_backend_plugin.kernels.cute_common.epilogue import LN2, OutputStore, fused_combine, load_scales
+from mla_backend_plugin.kernels.cute_common.fake_tensors import DTYPES
 from mla_backend_plugin.kernels.cute_common.scheduler import BalancedScheduler
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
@@ -62,8 +63,6 @@ K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
 Q_NOPE_PIECES = BLOCK_M * (D_NOPE // 8) // 256
 Q_ROPE_PIECES = BLOCK_M * (D_ROPE // 8) // 256
 assert Q_NOPE_PIECES * 256 == BLOCK_M * (D_NOPE // 8) and Q_ROPE_PIECES * 256 == BLOCK_M * (D_ROPE // 8)
-
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
 
 @cute.jit

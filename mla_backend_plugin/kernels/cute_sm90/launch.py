@@ -35,8 +35,8 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     m_blocks,
     softmax_scale_log2,
 )
-from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
-from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, SCHEDULES, LaunchConfig, PlanTile
 from mla_backend_plugin.ops.workspace import step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
@@ -81,18 +81,29 @@ def fp8_design_for(args) -> str:
 
 
 def default_config(args, cc) -> LaunchConfig:
+    """What runs when nobody chose: the environment's split plan, PDL, fp8 design (fp8 caches), schedule (16-bit
+    caches) and fused combine (envs.py)."""
+    fp8 = args.kv_dtype == FP8_DTYPE
     return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL,
-                        fp8_design=fp8_design_for(args) if args.kv_dtype == FP8_DTYPE else None)
+                        fp8_design=fp8_design_for(args) if fp8 else None,
+                        schedule=None if fp8 else envs.CUTE_MLA_SM90_SCHEDULE,
+                        fused_combine=envs.CUTE_MLA_FUSED_COMBINE)
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then: the other fp8 design (fp8 caches), PDL off, a larger split cap (all under the default's
-    split plan: the share plan is not a tuner candidate, benchmarks/NOTES.md session 19)."""
+    """The default, then: the other fp8 design (fp8 caches), PDL off, the other schedules (16-bit caches: seesaw32
+    is faster where a CTA runs 8-32 tiles, benchmarks/NOTES.md session 21; the lock step at B=8 in session 9's
+    A/B), each also with a larger split cap. All under the default's split plan (the share plan is not a tuner
+    candidate, benchmarks/NOTES.md session 19) and combine: the combine kernel after a grid that fits at once was
+    slower or equal in every cell measured (session 12: the fused combine 0.92x time geomean, no cell above
+    1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
         out += [dataclasses.replace(first, fp8_design=d) for d in FP8_DESIGNS if d != first.fp8_design]
     out += [dataclasses.replace(c, enable_pdl=not c.enable_pdl) for c in list(out)]
+    if first.schedule is not None:
+        out += [dataclasses.replace(first, schedule=s) for s in SCHEDULES if s != first.schedule]
     out += [dataclasses.replace(c, max_splits=64) for c in list(out)]
     return list(dict.fromkeys(out))
 
@@ -107,28 +118,35 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
-                   row_kv_lens=args.row_kv_lens is not None,
-                   schedule="lockstep" if args.kv_dtype == FP8_DTYPE else envs.CUTE_MLA_SM90_SCHEDULE)
+                   row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config))
+
+
+def schedule_for(args, config: LaunchConfig) -> str:
+    """The config's schedule (16-bit caches; a config without one: CUTE_MLA_SM90_SCHEDULE); fp8 caches have one
+    schedule per design ("lockstep")."""
+    if args.kv_dtype == FP8_DTYPE:
+        return "lockstep"
+    return config.schedule or envs.CUTE_MLA_SM90_SCHEDULE
 
 
 def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: str | None = None,
                     keep_dir: str | None = None):
-    """Compile one variant with symbolic sizes; ``arch`` (e.g. "sm_90a") compiles with no GPU present."""
+    """Compile one variant with symbolic sizes (cute_common/fake_tensors.py); ``arch`` (e.g. "sm_90a") compiles
+    with no GPU present."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from mla_backend_plugin.kernels.cute_common.compat import compile_options
+    from mla_backend_plugin.kernels.cute_common.fake_tensors import DTYPES, decode_tensors, int32_vector
 
     if isinstance(variant, PlanVariant):  # the step-plan kernel (cute_common/scheduler.py StepPlanKernel)
         from mla_backend_plugin.kernels.cute_common.scheduler import StepPlanKernel
 
-        ints = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
+        ints = [int32_vector() for _ in range(3)]
         return cute.compile(StepPlanKernel(variant.block_n, use_pdl=use_pdl), *ints, cutlass.Int32(1),
                             cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
                             make_fake_stream(), options=compile_options(arch, keep_dir))
-    from mla_backend_plugin.kernels.cute_sm90.kernel import DTYPES, Sm90MlaDecode
-
     if variant.fp8_mma:
         from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
     elif variant.schedule == "seesaw":
@@ -136,45 +154,21 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
     elif variant.schedule == "seesaw32":
         from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw32 import Sm90MlaDecodeSeesaw32 as kernel_class
     else:
-        kernel_class = Sm90MlaDecode
+        from mla_backend_plugin.kernels.cute_sm90.kernel import Sm90MlaDecode as kernel_class
 
-    def sym(div=1):
-        return cute.sym_int(divisibility=div)
-
-    qd, kvd, od = DTYPES[variant.q_dtype], DTYPES[variant.kv_dtype], DTYPES[variant.out_dtype]
-    q_align = 16 // (qd.width // 8)
-    kv_align = 16 // (kvd.width // 8)
-    H, D = variant.num_heads, KV_LORA_RANK
-    tokens = sym()
-    q_nope = make_fake_tensor(qd, (tokens, H, D), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    q_pe = make_fake_tensor(qd, (tokens, H, 64), (sym(q_align), sym(q_align), 1), assumed_align=16)
-    # 64-bit page stride: a cache past 2 GiB (B=128 x 32k tokens of fp8) overflows 32-bit offsets
-    kv = make_fake_tensor(kvd, (sym(), variant.block_size, 576),
-                          (cute.sym_int(64, divisibility=kv_align), sym(kv_align), 1),
-                          assumed_align=16)
-    batch = sym()
-    block_table = make_fake_tensor(cutlass.Int32, (batch, sym()), (sym(), 1), assumed_align=4)
-    seq_lens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
-    # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
-    row_kv_lens = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    # 16-byte aligned rows (unsupported_reason checks it): the epilogue writes whole rows with 16-byte stores
-    o_align = 16 // (od.width // 8)
-    out = make_fake_tensor(od, (tokens, H, D), (sym(o_align), sym(o_align), 1), assumed_align=16)
-    lse = make_fake_tensor(cutlass.Float32, (tokens, H), (sym(), sym()), assumed_align=4)
     # A split item stores its partial O / l in the output dtype, not fp32, as FlashInfer's MLA kernels do: a
     # 64-row CTA writes 64 KB instead of 128 KB (a bf16 KV tile is 72 KB) and the combine reads half, for one
     # more rounding of the output dtype on each partial (benchmarks/NOTES.md, session 20). The LSEs stay fp32.
-    part_o = make_fake_tensor(od, (sym(), D), (D, 1), assumed_align=16)
-    part_lse = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4)
-    q_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    kv_scale_t = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-    work_items = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    combine_counters = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    t = decode_tensors(variant, partial_dtype=DTYPES[variant.out_dtype])
+    # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
+    row_kv_lens = int32_vector()
+    work_items = int32_vector()
+    combine_counters = int32_vector()
     op = kernel_class(variant, use_pdl=use_pdl)
-    return cute.compile(op, q_nope, q_pe, kv, block_table, seq_lens, row_kv_lens, out, lse, part_o, part_lse, q_scale_t,
-                        kv_scale_t, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0), work_items,
-                        cutlass.Int32(1), combine_counters,
-                        cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, keep_dir))
+    return cute.compile(op, t.q_nope, t.q_pe, t.kv, t.block_table, t.seq_lens, row_kv_lens, t.out, t.lse, t.part_o,
+                        t.part_lse, t.q_scale, t.kv_scale, cutlass.Float32(1.0), cutlass.Float32(1.0),
+                        cutlass.Float32(1.0), work_items, cutlass.Int32(1), combine_counters, cutlass.Int32(0),
+                        make_fake_stream(), options=compile_options(arch, keep_dir))
 
 
 def prebuild(args, config: LaunchConfig, cc) -> bool:
@@ -207,11 +201,11 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fuses_combine(args, plan) -> bool:
+def fuses_combine(args, plan, wanted: bool = True) -> bool:
     """Whether the split kernel merges its partials itself (cute_common/epilogue.py ``fused_combine``) instead
-    of a second launch: only when the grid (m-blocks x work items) fits on the device's SMs at one CTA each,
-    since a request's CTAs wait for each other there; with CUTE_MLA_FUSED_COMBINE on (the default)."""
-    if not (plan.has_combine and envs.CUTE_MLA_FUSED_COMBINE):
+    of a second launch: when ``wanted`` (the config's ``fused_combine``) and the grid (m-blocks x work items) fits
+    on the device's SMs at one CTA each, since a request's CTAs wait for each other there."""
+    if not (plan.has_combine and wanted):
         return False
     ctas = m_blocks(args.num_heads, args.q_len) * plan.grid_items
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
@@ -261,7 +255,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
-    fused = fuses_combine(args, plan)
+    fused = fuses_combine(args, plan, config.fused_combine)
     if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,
