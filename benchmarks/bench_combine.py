@@ -31,7 +31,8 @@ from bench_decode import ragged_seq_lens  # sibling module: benchmarks/ is the s
 from mla_backend_plugin.ops import timing
 from mla_backend_plugin.ops.constants import KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, step_schedule
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY, step_schedule
+from mla_backend_plugin.ops.workspace import MLAWorkspace
 
 HEADS, NUM_SMS, CALLS = 128, 132, 20
 

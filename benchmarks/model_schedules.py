@@ -26,12 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode import ragged_seq_lens  # noqa: E402
 
-from mla_backend_plugin.ops.workspace import (  # noqa: E402
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
-    plan_splits,
-)
+from mla_backend_plugin.ops.plan import plan_splits  # noqa: E402
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs  # noqa: E402
 
 BLOCK_N = ROWS = 64  # cute_sm90's tile
 PIECE_COST = 1.5  # tiles: a CTA's (or a request piece's) Q load, epilogue and prologue, as plan_cta_costs

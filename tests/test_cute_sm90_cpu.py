@@ -477,7 +477,7 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
     was planned for; off with CUTE_MLA_FUSED_COMBINE=0 or when nothing is split."""
     from types import SimpleNamespace
 
-    from mla_backend_plugin.ops.workspace import plan_splits
+    from mla_backend_plugin.ops.plan import plan_splits
 
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)

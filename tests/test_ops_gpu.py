@@ -35,7 +35,7 @@ from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, WORK_ITEM_INTS
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, BalancedSchedule, ShareSchedule, step_schedule
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY, BalancedSchedule, ShareSchedule, step_schedule
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,

@@ -12,17 +12,15 @@ import sys
 import pytest
 
 from mla_backend_plugin.ops.constants import SUPPORTED_NUM_HEADS, SUPPORTED_Q_LENS
-from mla_backend_plugin.ops.workspace import (
+from mla_backend_plugin.ops.plan import (
     MAX_SPLITS,
     MIN_CHUNK_TOKENS,
-    MLAWorkspace,
     balanced_schedule,
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
     plan_splits,
     uniform_request_splits,
 )
+from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_SMS = 132  # H100 SXM

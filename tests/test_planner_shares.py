@@ -10,18 +10,16 @@ import pytest
 from test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
 
 from mla_backend_plugin.ops.constants import SHARE_REQUEST_COST, WORK_ITEM_INTS
-from mla_backend_plugin.ops.workspace import (
+from mla_backend_plugin.ops.plan import (
     MAX_SPLITS,
     ShareSchedule,
     balanced_schedule,
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
     plan_splits,
     prefers_shares,
     share_schedule,
     step_schedule,
 )
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs
 
 
 def _cdiv(a: int, b: int) -> int:
