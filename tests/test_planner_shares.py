@@ -1,4 +1,4 @@
-"""The share plan (ops/workspace.py ``share_schedule``, cute_sm90 ``split_plan="shares"``): its bounds against the
+"""The share plan (ops/plan.py ``share_schedule``, cute_sm90 ``split_plan="shares"``): its bounds against the
 host's buffers, a transcription of the device's warp algorithm (kernels/cute_common/scheduler.py
 ``ShareScheduler.write_piece``) against the reference, and its modelled step on the ragged batches it is for."""
 

@@ -233,13 +233,6 @@ def check_attention_features(alibi_slopes=None, sliding_window=None, logits_soft
                                   "logits_soft_cap")
 
 
-def check_block_size(block_size: int) -> None:
-    """For engines that pass the page size straight to the kernel (SGLang); vLLM splits its blocks."""
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"{BACKEND_NAME}: page size {block_size} is not supported; allowed: "
-                         f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
-
-
 def unsupported_reasons(*, head_size=None, dtype=None, kv_cache_dtype=None, block_size=None,
                         compute_capability=None, sparse=None) -> dict[str, str]:
     """The refusal of each setting, naming the value and what is allowed (keyed like vLLM's generic reasons,

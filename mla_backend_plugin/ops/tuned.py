@@ -362,10 +362,6 @@ def clear() -> None:
     _WARNED.clear()
 
 
-def installed() -> dict[tuple, dict]:
-    return _TABLE
-
-
 def installed_result(key: ShapeKey) -> TuneResult | None:
     """The result installed in this process for ``key`` (tuned here or loaded), if any."""
     return _RESULTS.get((key.shape, key.batch), {}).get(key.seq)
