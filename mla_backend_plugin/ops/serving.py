@@ -372,7 +372,7 @@ class DeploymentTuning:
             return
         device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # timing needs synchronisation; the next eager call does it
+            return  # timing needs synchronisation; the next build outside capture does it
         self.report = {}
         try:
             self.report = autotune.prepare_deployment(self.deployment, device, tune=self.tune, budget_s=self.budget_s)
