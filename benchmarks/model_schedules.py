@@ -1,5 +1,6 @@
 """Modelled split-kernel step time of the balanced plan's schedules against a persistent contiguous-share grid
-(no GPU; the CPU model of ops/plan.py, testing/schedule_model.py: a CTA costs its KV tiles plus a fixed 1.5 tiles, one CTA per SM).
+(no GPU; testing/schedule_model.py's model of ops/plan.py's plans: a CTA costs its KV tiles plus a fixed 1.5 tiles,
+one CTA per SM).
 
     python benchmarks/model_schedules.py [--heads 128] [--q-len 1] [--sms 132]
 

@@ -1,5 +1,5 @@
-"""The package's floors, read from its source with ``ast``: ``ops/`` is the ground floor (layout: docs of
-/work/shared/design/layout.md, summarised in ops/__init__.py), so
+"""The package's floors, read from its source with ``ast``: ``ops/`` is the ground floor (its stack is listed in
+ops/__init__.py), so
 
 * no import circle among ``ops/`` modules, counting imports inside functions (a circle held together by
   function-level imports is still one: each module then needs the other to be importable, and neither can be

@@ -1,4 +1,4 @@
-"""First-use self-check of kernels on unverified architectures (ops/selfcheck.py, the gate of api.select_kernel), on CPU.
+"""First-use self-check of kernels on unverified architectures (ops/selfcheck.py, api.select_kernel's gate), on CPU.
 
 Fake kernels stand in for a compiled one: the reference (correct), one that leaves a row unwritten, one that
 is slightly wrong, one that raises. The registry is pointed at them with a pretend SM120 device.
