@@ -1,5 +1,5 @@
 """The balanced split-KV combine alone (kernels/combine ``combine_balanced_kernel``) on the split lists of the
-benchmark's cells, to choose its tiles (ops/workspace.py ``combine_tiles``) without timing whole decode steps.
+benchmark's cells, to choose its tiles (ops/plan.py ``combine_tiles``) without timing whole decode steps.
 
     python benchmarks/bench_combine.py                    # the plan's tile on every cell
     python benchmarks/bench_combine.py --sweep            # also every tile of 4096-16384 partials a round
@@ -8,7 +8,7 @@ benchmark's cells, to choose its tiles (ops/workspace.py ``combine_tiles``) with
 Cells: the standard grid's uniform batches and the one-long / long-tail ragged batches of bench_decode.py
 (B 4-128, S 8k / 32k), q_len 1 and 2, 128 heads, plus the Triton kernel's B=1-2 steps (cute_sm90 fuses its
 combine there). Each cell's split list is the one cute_sm90's plan kernel writes on a 132-SM H100
-(ops/workspace.py ``step_schedule`` under the caps of ``cute_sm90.launch.wave_filling_config``); its partials are
+(ops/plan.py ``step_schedule`` under the caps of ``cute_sm90.launch.wave_filling_config``); its partials are
 random. Times: one CUDA graph of 20 launches per tile, replayed interleaved (ops/timing.py), per-launch medians;
 every tile's output is checked against a float32 merge of the same partials first.
 
@@ -31,7 +31,8 @@ from bench_decode import ragged_seq_lens  # sibling module: benchmarks/ is the s
 from mla_backend_plugin.ops import timing
 from mla_backend_plugin.ops.constants import KV_LORA_RANK
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, step_schedule
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY, step_schedule
+from mla_backend_plugin.ops.workspace import MLAWorkspace
 
 HEADS, NUM_SMS, CALLS = 128, 132, 20
 

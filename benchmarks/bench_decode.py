@@ -44,10 +44,11 @@ import torch
 from peers import PEERS, Cell, PeerCall, cell_inputs, check_against_reference
 
 from mla_backend_plugin import envs
-from mla_backend_plugin.ops import autotune, serving
+from mla_backend_plugin.ops import autotune, registry, serving, tuned
 from mla_backend_plugin.ops.api import mla_decode, prepare_args
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, QK_HEAD_DIM
 from mla_backend_plugin.ops.manifest import LaunchConfig
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
 from mla_backend_plugin.ops.registry import KERNELS, available_kernels
 from mla_backend_plugin.ops.timing import (
     calls_per_graph_for,
@@ -58,7 +59,7 @@ from mla_backend_plugin.ops.timing import (
     measure_hbm_bytes_per_s,
     time_graphs,
 )
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, StepPlans
+from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans
 from mla_backend_plugin.testing import DecodeInputs
 
 GRIDS = {
@@ -244,8 +245,8 @@ class TunedAuto(OurKernel):
         cc = torch.cuda.get_device_capability(device)
         args = prepare_args(q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, softmax_scale=1.0,
                             q_scale=q_scale, kv_scale=kv_scale)
-        key = autotune.ShapeKey.of(args, cc, cell.seq_len)
-        cache = autotune.cache_for(device)
+        key = tuned.ShapeKey.of(args, cc, cell.seq_len)
+        cache = tuned.cache_for(device)
         t0 = time.monotonic()
         report_ = autotune.tune_keys([key], device, cache=cache, force=self.retune, kernels=self.kernels,
                                      time_per_candidate=self.tune_time_s)
@@ -254,7 +255,7 @@ class TunedAuto(OurKernel):
         cold = report_["tuned"] > 0
         self.tunings.append({"cell": cell.label(), "shape": key.id(), "cold": cold, "seconds": round(seconds, 2),
                              "winner": result.labels.get(result.winner) if result and result.winner else None})
-        autotune.set_seq_profile([cell.seq_len])
+        tuned.set_seq_profile([cell.seq_len])
         call = super().prepare(cell, inputs)  # mla_decode(kernel="auto"): the lookup under capture
         winner = result.labels.get(result.winner, "?") if result and result.winner else "static"
         call.note = f"{winner}; {'tuned' if cold else 'cache'} {seconds:.1f} s"
@@ -517,7 +518,7 @@ def resolve_kernels(args, cc) -> tuple[str, ...]:
     if args.kernels is not None:
         return tuple(args.kernels)
     if args.candidates and cc is not None:
-        return tuple(autotune.candidate_kernels(tuple(cc)))
+        return tuple(registry.candidate_kernels(tuple(cc)))
     return tuple(k for k in available_kernels() if k not in NOT_BENCHMARKED_KERNELS)
 
 
@@ -769,16 +770,17 @@ def main(argv=None) -> int:
         meta["stopped_early"] = _one_line(e)
         exit_code = 1
     meta["wall_s"] = round(time.time() - t0, 1)
-    tuned = next((r for r in runners if isinstance(r, TunedAuto)), None)
-    if tuned is not None:
-        meta["autotune"] = {"cache": autotune.default_cache_path(), "kernels": list(tuned.kernels),
-                            "tune_time_s": tuned.tune_time_s, "cells": tuned.tunings,
-                            "cold_s": round(sum(t["seconds"] for t in tuned.tunings if t["cold"]), 1),
-                            "warm_s": round(sum(t["seconds"] for t in tuned.tunings if not t["cold"]), 1)}
+    tuned_auto = next((r for r in runners if isinstance(r, TunedAuto)), None)
+    if tuned_auto is not None:
+        meta["autotune"] = {"cache": tuned.default_cache_path(), "kernels": list(tuned_auto.kernels),
+                            "tune_time_s": tuned_auto.tune_time_s, "cells": tuned_auto.tunings,
+                            "cold_s": round(sum(t["seconds"] for t in tuned_auto.tunings if t["cold"]), 1),
+                            "warm_s": round(sum(t["seconds"] for t in tuned_auto.tunings if not t["cold"]), 1)}
         summary = report.autotune_summary(report.annotate_speedups(rows))
         print(f"auto within {100 * report.AUTO_TOLERANCE:.0f}% of the best fixed candidate in "
               f"{sum(e['within'] for e in summary)} of {len(summary)} cells; tuning {meta['autotune']['cold_s']} s "
-              f"cold ({sum(t['cold'] for t in tuned.tunings)} cells), {meta['autotune']['warm_s']} s from the cache")
+              f"cold ({sum(t['cold'] for t in tuned_auto.tunings)} cells), {meta['autotune']['warm_s']} s from the "
+              "cache")
     for path in report.write_report(report.annotate_speedups(rows), meta, out_dir, plots=not args.no_plots):
         print(path)
     return exit_code

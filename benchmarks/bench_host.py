@@ -29,7 +29,7 @@ import torch
 from bench_decode import OurKernel  # sibling modules: benchmarks/ is the script directory
 from peers import PEERS, Cell, PeerCall, cell_inputs
 
-from mla_backend_plugin.ops import autotune, serving
+from mla_backend_plugin.ops import serving, tuned
 
 SERVING = "serving:auto"  # DecodeRunner.decode, as CuteMLAImpl.forward_mqa calls it
 
@@ -56,7 +56,7 @@ class ServingPath:
             num_heads=cell.num_heads, max_num_seqs=cell.batch, num_speculative_tokens=cell.q_len - 1,
             model_dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, block_size=cell.block_size,
             max_model_len=cell.seq_len)
-        tuning = serving.DeploymentTuning(deployment, tune=False, host_lengths=False)
+        serving.DeploymentTuning(deployment, tune=False, host_lengths=False).run_once(inputs.device)  # as a builder
         runner = serving.DecodeRunner(inputs.softmax_scale, kv_dtype)
         kv_scale = inputs.kv_scale_tensor()
         cache = inputs.kv_caches[0]
@@ -64,8 +64,7 @@ class ServingPath:
             cache = cache.view(torch.uint8)  # vLLM stores an fp8 cache as bytes
 
         def launch(i):
-            return runner.decode(q_pair, cache, inputs.block_table, inputs.seq_lens, workspace, kv_scale=kv_scale,
-                                 tuning=tuning)
+            return runner.decode(q_pair, cache, inputs.block_table, inputs.seq_lens, workspace, kv_scale=kv_scale)
 
         return PeerCall(launch, lambda raw: raw)
 
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
             results: dict[str, list[str]] = {}
             for cell in cells:
                 inputs = cell_inputs(cell, device)
-                autotune.set_seq_profile([cell.seq_len])
+                tuned.set_seq_profile([cell.seq_len])
                 for runner in runners:
                     why = runner.unsupported_reason(cell, cc)
                     if why:

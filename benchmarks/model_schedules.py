@@ -1,5 +1,6 @@
 """Modelled split-kernel step time of the balanced plan's schedules against a persistent contiguous-share grid
-(no GPU; the CPU model of ops/workspace.py: a CTA costs its KV tiles plus a fixed 1.5 tiles, one CTA per SM).
+(no GPU; testing/schedule_model.py's model of ops/plan.py's plans: a CTA costs its KV tiles plus a fixed 1.5 tiles,
+one CTA per SM).
 
     python benchmarks/model_schedules.py [--heads 128] [--q-len 1] [--sms 132]
 
@@ -26,12 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode import ragged_seq_lens  # noqa: E402
 
-from mla_backend_plugin.ops.workspace import (  # noqa: E402
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
-    plan_splits,
-)
+from mla_backend_plugin.ops.plan import plan_splits  # noqa: E402
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs  # noqa: E402
 
 BLOCK_N = ROWS = 64  # cute_sm90's tile
 PIECE_COST = 1.5  # tiles: a CTA's (or a request piece's) Q load, epilogue and prologue, as plan_cta_costs

@@ -136,7 +136,7 @@ def shape_keys(args, cc) -> list:
 def _meta_args(key):
     """DecodeArgs of ``key`` on meta tensors (no memory, no GPU): for support checks."""
     from mla_backend_plugin.ops.api import prepare_args
-    from mla_backend_plugin.ops.autotune import DTYPES
+    from mla_backend_plugin.ops.tuned import DTYPES
 
     meta = torch.device("meta")
     tokens, pages = key.batch * key.q_len, -(-key.seq // key.block_size)
@@ -152,7 +152,8 @@ def _meta_args(key):
 
 
 def dry_run(args, cc) -> int:
-    from mla_backend_plugin.ops.autotune import candidate_kernels, candidates_for
+    from mla_backend_plugin.ops.autotune import candidates_for
+    from mla_backend_plugin.ops.registry import candidate_kernels
 
     keys = shape_keys(args, cc)
     kernels = candidate_kernels(cc, args.candidates)
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
         print("python -m mla_backend_plugin.tune needs a CUDA device (--dry-run --assume-cc 9.0 lists the plan)",
               file=sys.stderr)
         return 2
-    from mla_backend_plugin.ops import autotune
+    from mla_backend_plugin.ops import autotune, registry, tuned
 
     device = torch.device("cuda", torch.cuda.current_device())
     cc = torch.cuda.get_device_capability(device)
@@ -231,10 +232,10 @@ def main(argv=None) -> int:
         from mla_backend_plugin.kernels.triton_decode.config import sweep_configs
 
         extra["triton"] = sweep_configs(full=args.triton_tiles == "full")
-    path = args.cache if args.cache else (None if extra else autotune.default_cache_path())
-    cache = autotune.TuneCache(path, autotune.context_for(device))
+    path = args.cache if args.cache else (None if extra else tuned.default_cache_path())
+    cache = tuned.TuneCache(path, tuned.context_for(device))
     cached = cache.load()
-    kernels = autotune.candidate_kernels(cc, args.candidates)
+    kernels = registry.candidate_kernels(cc, args.candidates)
     print(f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]}); {len(keys)} shapes, "
           f"kernels {', '.join(kernels)}; cache {path or '(none)'} holds {cached} of this context", flush=True)
     t0 = time.monotonic()

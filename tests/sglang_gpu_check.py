@@ -38,7 +38,7 @@ def main() -> None:
 
     import sglang
 
-    from mla_backend_plugin.ops.serving import read_check_records
+    from mla_backend_plugin.testing.reference_check import read_check_records
 
     backend_args = ({"decode_attention_backend": args.backend} if args.decode_only
                     else {"attention_backend": args.backend})

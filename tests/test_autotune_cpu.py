@@ -1,6 +1,7 @@
-"""The autotuner without a GPU (ops/autotune.py): shape-key buckets, the candidate filter and its reasons, choosing
-(with the static choice's margin and over a context profile), the JSON cache (round trip, merge, stale contexts),
-tuning with a stand-in measurement under a budget, and the graph-safe lookup that mla_decode(kernel="auto") does.
+"""The autotuner without a GPU (ops/autotune.py, ops/tuned.py): shape-key buckets, the candidate filter and its
+reasons, choosing (with the static choice's margin and over a context profile), the JSON cache (round trip, merge,
+stale contexts), tuning with a stand-in measurement under a budget, and the graph-safe lookup that
+mla_decode(kernel="auto") does.
 
 Fake kernel families (KernelManifest with the reference's launch) stand in for compiled kernels; the registry is
 pointed at them and the device capability is pretended."""
@@ -8,6 +9,7 @@ pointed at them and the device capability is pretended."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -15,9 +17,9 @@ import os
 import pytest
 import torch
 
-from mla_backend_plugin.ops import LaunchConfig, PlanTile, autotune, prepare_args, registry
+from mla_backend_plugin.ops import LaunchConfig, PlanTile, autotune, prepare_args, registry, selfcheck, tuned
 from mla_backend_plugin.ops.api import mla_decode
-from mla_backend_plugin.ops.autotune import Candidate, ShapeKey, TuneCache, TuneResult
+from mla_backend_plugin.ops.tuned import Candidate, ShapeKey, TuneCache, TuneResult
 from mla_backend_plugin.ops.workspace import MLAWorkspace
 from mla_backend_plugin.testing import make_decode_inputs
 
@@ -52,14 +54,14 @@ def fakes(monkeypatch):
     }
     monkeypatch.setattr(registry, "KERNELS", kernels)
     monkeypatch.setattr(registry, "AUTO_ORDER", {9: ("slow", "fast")})
-    monkeypatch.setattr(registry, "self_check_failure",
+    monkeypatch.setattr(selfcheck, "self_check_failure",
                         lambda spec, device, cc: "lse off by 3" if spec.name == "flaky" else None)
     monkeypatch.setenv("CUTE_MLA_TUNE_CACHE", "0")
     monkeypatch.delenv("CUTE_MLA_CANDIDATES", raising=False)
     monkeypatch.delenv("CUTE_MLA_TUNE_SEQ_LENS", raising=False)
-    autotune.clear()
+    tuned.clear()
     yield seen
-    autotune.clear()
+    tuned.clear()
 
 
 def _inputs(batch=3, seq=300, q_len=1, heads=16, q_form="pair", kv_dtype=torch.bfloat16, **kw):
@@ -74,10 +76,10 @@ def _args(inputs, tensor_scales=False):
 # ---------------------------------------------------------------------------------------------- shape keys
 
 def test_buckets():
-    assert [autotune.batch_bucket(b) for b in (1, 2, 3, 24, 32, 33, 512)] == [1, 2, 4, 32, 32, 64, 512]
-    assert autotune.seq_bucket(1) == autotune.MIN_SEQ_BUCKET == 512
-    assert [autotune.seq_bucket(s) for s in (1024, 1025, 8000, 8192, 32768)] == [1024, 2048, 8192, 8192, 32768]
-    assert autotune.seq_bucket(10**7) == autotune.MAX_SEQ_BUCKET
+    assert [tuned.batch_bucket(b) for b in (1, 2, 3, 24, 32, 33, 512)] == [1, 2, 4, 32, 32, 64, 512]
+    assert tuned.seq_bucket(1) == tuned.MIN_SEQ_BUCKET == 512
+    assert [tuned.seq_bucket(s) for s in (1024, 1025, 8000, 8192, 32768)] == [1024, 2048, 8192, 8192, 32768]
+    assert tuned.seq_bucket(10**7) == tuned.MAX_SEQ_BUCKET
 
 
 def test_shape_key_of_a_call():
@@ -101,19 +103,19 @@ def test_shape_key_of_a_call():
 
 def test_candidate_kernels_per_arch_and_from_the_environment(monkeypatch):
     monkeypatch.delenv("CUTE_MLA_CANDIDATES", raising=False)
-    assert autotune.candidate_kernels((9, 0)) == ["cute_sm90", "triton"]
-    assert autotune.candidate_kernels((10, 0)) == ["flashinfer_cute_dsl", "cute_sm100", "triton", "flashinfer_trtllm"]
-    assert autotune.candidate_kernels(None) == []
+    assert registry.candidate_kernels((9, 0)) == ["cute_sm90", "triton"]
+    assert registry.candidate_kernels((10, 0)) == ["flashinfer_cute_dsl", "cute_sm100", "triton", "flashinfer_trtllm"]
+    assert registry.candidate_kernels(None) == []
     monkeypatch.setenv("CUTE_MLA_CANDIDATES", "+xqa_sm120")
-    assert autotune.candidate_kernels((9, 0)) == ["cute_sm90", "triton", "xqa_sm120"]
+    assert registry.candidate_kernels((9, 0)) == ["cute_sm90", "triton", "xqa_sm120"]
     monkeypatch.setenv("CUTE_MLA_CANDIDATES", "triton")
-    assert autotune.candidate_kernels((9, 0)) == ["triton"]
-    assert autotune.candidate_kernels((9, 0), ["cute_sm90", "+triton"]) == ["cute_sm90", "triton"]
+    assert registry.candidate_kernels((9, 0)) == ["triton"]
+    assert registry.candidate_kernels((9, 0), ["cute_sm90", "+triton"]) == ["cute_sm90", "triton"]
     monkeypatch.setenv("CUTE_MLA_CANDIDATES", "triton,flashmla")
     with pytest.raises(ValueError, match="CUTE_MLA_CANDIDATES: unknown kernel 'flashmla'; allowed: .*triton"):
-        autotune.candidate_kernels((9, 0))
+        registry.candidate_kernels((9, 0))
     with pytest.raises(ValueError, match="unknown kernel 'reference'"):
-        autotune.candidate_kernels((9, 0), ["reference"])
+        registry.candidate_kernels((9, 0), ["reference"])
 
 
 def test_candidates_are_filtered_with_reasons(fakes):
@@ -143,10 +145,10 @@ def test_candidate_ids_round_trip():
 # ---------------------------------------------------------------------------------------------- choosing
 
 def test_choose_keeps_the_static_choice_within_the_margin():
-    assert autotune.choose({"a": 100.0, "b": 99.5}, static="a") == "a"  # 0.5% faster: noise
-    assert autotune.choose({"a": 100.0, "b": 98.0}, static="a") == "b"
-    assert autotune.choose({"a": 100.0, "b": 98.0}, static=None) == "b"
-    assert autotune.choose({}, static="a") is None
+    assert tuned.choose({"a": 100.0, "b": 99.5}, static="a") == "a"  # 0.5% faster: noise
+    assert tuned.choose({"a": 100.0, "b": 98.0}, static="a") == "b"
+    assert tuned.choose({"a": 100.0, "b": 98.0}, static=None) == "b"
+    assert tuned.choose({}, static="a") is None
 
 
 def _result(seq, timings, static="a", batch=8, shape=None):
@@ -154,7 +156,7 @@ def _result(seq, timings, static="a", batch=8, shape=None):
     key = dataclasses.replace(key, seq=seq, batch=batch)
     cids = {name: Candidate(name, LaunchConfig()).cid for name in timings}
     return TuneResult(key=key, timings_us={cids[n]: t for n, t in timings.items()}, refused={},
-                      winner=autotune.choose({cids[n]: t for n, t in timings.items()}, cids.get(static)),
+                      winner=tuned.choose({cids[n]: t for n, t in timings.items()}, cids.get(static)),
                       static=cids.get(static), labels={c: n for n, c in cids.items()}, seconds=1.0)
 
 
@@ -163,9 +165,9 @@ def test_one_choice_for_a_context_profile():
     long = _result(32768, {"a": 300.0, "b": 200.0})
     assert short.winner.startswith("a|") and long.winner.startswith("b|")
     # geometric mean of time / each bucket's best: a (1, 1.5) ~1.22, b (2, 1) ~1.41
-    assert autotune.choose_for_profile([short, long]).startswith("a|")
-    assert autotune.choose_for_profile([short]) == short.winner
-    assert autotune.choose_for_profile([]) is None
+    assert tuned.choose_for_profile([short, long]).startswith("a|")
+    assert tuned.choose_for_profile([short]) == short.winner
+    assert tuned.choose_for_profile([]) is None
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -218,12 +220,12 @@ def test_cache_tolerates_a_broken_file(tmp_path, caplog):
 
 def test_cache_path_from_the_environment(monkeypatch):
     monkeypatch.setenv("CUTE_MLA_TUNE_CACHE", "0")
-    assert autotune.default_cache_path() is None
+    assert tuned.default_cache_path() is None
     monkeypatch.delenv("CUTE_MLA_TUNE_CACHE")
-    assert autotune.default_cache_path().endswith(os.path.join(".cache", "mla_backend_plugin", "autotune.json"))
+    assert tuned.default_cache_path().endswith(os.path.join(".cache", "mla_backend_plugin", "autotune.json"))
     monkeypatch.setenv("CUTE_MLA_TUNE_CACHE", "/tmp/x.json")
-    assert autotune.default_cache_path() == "/tmp/x.json"
-    assert len(autotune.sources_hash()) == 16
+    assert tuned.default_cache_path() == "/tmp/x.json"
+    assert len(tuned.sources_hash()) == 16
 
 
 # ---------------------------------------------------------------------------------------------- tuning
@@ -247,7 +249,7 @@ def test_tune_shape_and_keys_with_a_stand_in_measurement(fakes, tmp_path):
     keys = [key, dataclasses.replace(key, batch=4)]
     report = autotune.tune_keys(keys, "cpu", cache=cache, kernels=["slow", "fast"], measure=measure)
     assert (report["tuned"], report["cached"], len(calls)) == (2, 0, 3)
-    autotune.clear()
+    tuned.clear()
     again = TuneCache(str(tmp_path / "c.json"), _ctx())
     again.load()
     report = autotune.tune_keys(keys, "cpu", cache=again, kernels=["slow", "fast"], measure=measure)
@@ -261,13 +263,13 @@ def test_a_choice_is_the_best_worst_case_over_length_profiles():
     # by 10% when one request is long and the rest short
     uniform = {"default": 306.0, "splits64": 306.7, "dequant": 417.6}
     one_long = {"default": 72.0, "splits64": 64.9, "dequant": 90.0}
-    assert autotune.choose(uniform, "default") == "default"
-    assert autotune.choose_minimax({"uniform": uniform, "one-long": one_long}, "default") == "splits64"
+    assert tuned.choose(uniform, "default") == "default"
+    assert tuned.choose_minimax({"uniform": uniform, "one-long": one_long}, "default") == "splits64"
     # a profile where nothing could be timed does not decide; with one profile it is ``choose``
-    assert autotune.choose_minimax({"uniform": uniform, "one-long": {}}, "default") == "default"
-    assert autotune.choose_minimax({"uniform": {}}, None) is None
+    assert tuned.choose_minimax({"uniform": uniform, "one-long": {}}, "default") == "default"
+    assert tuned.choose_minimax({"uniform": {}}, None) is None
     # a candidate missing from a profile cannot be the answer
-    assert autotune.choose_minimax({"uniform": uniform, "one-long": {"default": 72.0, "dequant": 90.0}},
+    assert tuned.choose_minimax({"uniform": uniform, "one-long": {"default": 72.0, "dequant": 90.0}},
                                    "default") == "default"
 
 
@@ -331,37 +333,37 @@ def test_tuning_inputs_stay_within_memory(fakes):
 def test_lookup_is_graph_safe(fakes, monkeypatch):
     args = _args(_inputs(batch=24))  # batch bucket 32
     shape = ShapeKey.of(args, HOPPER, 1)
-    autotune.install(_result(1024, {"slow": 10.0, "fast": 20.0}, static="slow", batch=32, shape=shape))
-    autotune.install(_result(32768, {"slow": 300.0, "fast": 100.0}, static="slow", batch=32, shape=shape))
-    assert autotune.lookup(args, HOPPER) is None  # no context profile yet: the static table decides
-    assert autotune.lookup(args, HOPPER, max_seq_len=900).label == "slow:balanced pdl"
-    assert autotune.lookup(args, HOPPER, max_seq_len=30000).label == "fast:balanced pdl"
-    autotune.set_seq_profile([32000])
-    profile_choice = autotune.lookup(args, HOPPER)
+    tuned.install(_result(1024, {"slow": 10.0, "fast": 20.0}, static="slow", batch=32, shape=shape))
+    tuned.install(_result(32768, {"slow": 300.0, "fast": 100.0}, static="slow", batch=32, shape=shape))
+    assert tuned.lookup(args, HOPPER) is None  # no context profile yet: the static table decides
+    assert tuned.lookup(args, HOPPER, max_seq_len=900).label == "slow:balanced pdl"
+    assert tuned.lookup(args, HOPPER, max_seq_len=30000).label == "fast:balanced pdl"
+    tuned.set_seq_profile([32000])
+    profile_choice = tuned.lookup(args, HOPPER)
     assert profile_choice.label == "fast:balanced pdl"
-    monkeypatch.setattr(autotune, "_capturing", lambda device: True)
+    monkeypatch.setattr(tuned, "_capturing", lambda device: True)
     # under capture the host's length is ignored: one graph serves every length
-    assert autotune.lookup(args, HOPPER, max_seq_len=900) is profile_choice
-    monkeypatch.setattr(autotune, "_capturing", lambda device: False)
-    autotune.set_seq_profile(None)
+    assert tuned.lookup(args, HOPPER, max_seq_len=900) is profile_choice
+    monkeypatch.setattr(tuned, "_capturing", lambda device: False)
+    tuned.set_seq_profile(None)
     monkeypatch.setenv("CUTE_MLA_TUNE_SEQ_LENS", "1000,30000")
-    assert autotune.seq_profile() == (1024, 32768)
-    autotune.set_seq_profile(None)
-    assert autotune.lookup(args, HOPPER).label == "fast:balanced pdl"  # (0.5x .. 1) vs (2x .. 1) geomean
-    assert autotune.lookup(_args(_inputs(batch=64)), HOPPER) is None  # another batch bucket: not tuned
-    assert autotune.lookup(args, None) is None
+    assert tuned.seq_profile() == (1024, 32768)
+    tuned.set_seq_profile(None)
+    assert tuned.lookup(args, HOPPER).label == "fast:balanced pdl"  # (0.5x .. 1) vs (2x .. 1) geomean
+    assert tuned.lookup(_args(_inputs(batch=64)), HOPPER) is None  # another batch bucket: not tuned
+    assert tuned.lookup(args, None) is None
 
 
 def test_lookup_refuses_what_cannot_run_now(fakes, monkeypatch):
     args = _args(_inputs(batch=2))
     shape = ShapeKey.of(args, HOPPER, 1)
-    autotune.install(_result(1024, {"flaky": 1.0, "slow": 10.0}, static="slow", batch=2, shape=shape))
-    autotune.set_seq_profile([1024])
+    tuned.install(_result(1024, {"flaky": 1.0, "slow": 10.0}, static="slow", batch=2, shape=shape))
+    tuned.set_seq_profile([1024])
     with pytest.warns(RuntimeWarning, match="flaky:balanced pdl failed its self-check and is not used"):
-        assert autotune.lookup(args, HOPPER) is None
+        assert tuned.lookup(args, HOPPER) is None
     registry.KERNELS["slow"] = dataclasses.replace(registry.KERNELS["slow"], unsupported_reason=lambda a, cc: "no")
-    autotune.install(_result(1024, {"slow": 1.0}, static="slow", batch=2, shape=shape))
-    assert autotune.lookup(args, HOPPER) is None
+    tuned.install(_result(1024, {"slow": 1.0}, static="slow", batch=2, shape=shape))
+    assert tuned.lookup(args, HOPPER) is None
 
 
 def test_mla_decode_auto_runs_the_tuned_choice(fakes, monkeypatch):
@@ -374,9 +376,9 @@ def test_mla_decode_auto_runs_the_tuned_choice(fakes, monkeypatch):
     tuned_config = LaunchConfig(max_splits=64)
     key = ShapeKey.of(args, HOPPER, 1)
     cid = Candidate("fast", tuned_config).cid
-    autotune.install(TuneResult(key=dataclasses.replace(key, seq=1024), timings_us={cid: 1.0}, refused={},
+    tuned.install(TuneResult(key=dataclasses.replace(key, seq=1024), timings_us={cid: 1.0}, refused={},
                                 winner=cid, static=None, labels={cid: "fast"}, seconds=0.0))
-    autotune.set_seq_profile([1000])
+    tuned.set_seq_profile([1000])
     kw = dict(softmax_scale=inputs.softmax_scale)
     mla_decode(*inputs.call_args(), **kw)
     mla_decode(*inputs.call_args(), kernel="slow", **kw)
@@ -450,34 +452,35 @@ def test_warm_up_hook_runs_once_and_never_during_capture(monkeypatch):
     assert broken.report == {}
 
 
-def test_decode_runner_prepares_before_the_first_decode(monkeypatch):
+def test_decode_does_no_warm_up_and_picks_by_the_length_the_engine_may_use(monkeypatch):
+    """The warm-up is the builder's (DeploymentTuning.run_once on its first build): a decode call passes on the
+    length its metadata holds, which is the step's longest for an eager engine and None under full decode graphs
+    (their warm-up and capture run the context profile's choice)."""
     from mla_backend_plugin.ops import serving
 
-    order = []
-
-    class Hook:
-        def run_once(self, device):
-            order.append(("tune", torch.device(device).type))
-
-    monkeypatch.setattr(serving, "mla_decode", lambda *a, **kw: order.append(("decode", kw["max_seq_len"])))
+    calls = []
+    monkeypatch.setattr(serving, "mla_decode", lambda *a, **kw: calls.append(kw["max_seq_len"]))
+    monkeypatch.setattr(autotune, "prepare_deployment", lambda *a, **k: calls.append("warm-up") or {})
+    dep = serving.make_deployment(num_heads=16, max_num_seqs=2, num_speculative_tokens=0, model_dtype=torch.bfloat16,
+                                  kv_cache_dtype="auto", block_size=64, max_model_len=4096)
     inputs = _inputs(batch=2)
     ws = MLAWorkspace("cpu", max_batch=2, num_heads=16, num_sms=4, out_dtype=torch.bfloat16)
     runner = serving.DecodeRunner(inputs.softmax_scale, "auto")
-    hook = Hook()
-    hook.host_lengths = True  # an eager engine: the step's longest length picks the bucket
-    runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws, max_seq_len=300, tuning=hook)
-    hook.host_lengths = False  # full decode graphs: warm-up and capture run the context profile's choice
-    runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws, max_seq_len=300, tuning=hook)
-    assert order == [("tune", "cpu"), ("decode", 300), ("tune", "cpu"), ("decode", None)]
+    for host_lengths in (True, False):
+        hook = serving.DeploymentTuning(dep, host_lengths=host_lengths)
+        runner.decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, ws,
+                      max_seq_len=hook.choice_seq_len(300))
+    assert calls == [300, None]
+    assert "tuning" not in inspect.signature(serving.DecodeRunner.decode).parameters
 
 
 def test_prepare_deployment_on_cpu_sets_the_profile(monkeypatch):
-    autotune.clear()
+    tuned.clear()
     dep = autotune.Deployment(num_heads=16, q_len=1, kv_dtype="bf16", q_dtype="bf16", out_dtype="bf16",
                               block_size=64, batches=(1, 8), seq_lens=(3000, 20000))
     report = autotune.prepare_deployment(dep, "cpu", tune=True, budget_s=1.0)
-    assert report["tuned"] == 0 and autotune.seq_profile() == (4096, 32768)
-    autotune.clear()
+    assert report["tuned"] == 0 and tuned.seq_profile() == (4096, 32768)
+    tuned.clear()
 
 
 def test_the_gpu_measurement_path_with_the_timing_core_stubbed(fakes, monkeypatch):
@@ -534,7 +537,7 @@ def test_the_choice_over_several_length_buckets_keeps_each_buckets_worst_case():
                       winner="b", static="a", labels={}, seconds=0.0,
                       profile_timings_us={"one-long": {"a": 72.0, "b": 64.9}})
     assert long.ratios_to_best() == pytest.approx({"a": 72.0 / 64.9, "b": 306.7 / 306.0})
-    assert autotune.choose_for_profile([short, long]) == "b"
+    assert tuned.choose_for_profile([short, long]) == "b"
     # on uniform timings alone the profile would keep "a"
     uniform_only = [dataclasses.replace(r, profile_timings_us={}) for r in (short, long)]
-    assert autotune.choose_for_profile(uniform_only) == "a"
+    assert tuned.choose_for_profile(uniform_only) == "a"

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-from mla_backend_plugin.ops import MLAWorkspace, autotune, mla_decode, prepare_args, registry, serving
-from mla_backend_plugin.ops.autotune import Candidate, ShapeKey, TuneResult
+from mla_backend_plugin.ops import MLAWorkspace, api, autotune, mla_decode, prepare_args, registry, serving, tuned
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
 from mla_backend_plugin.ops.timing import capture_graph
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY
+from mla_backend_plugin.ops.tuned import Candidate, ShapeKey, TuneResult
 from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
 
 pytestmark = pytest.mark.gpu
@@ -33,11 +33,11 @@ def _clean(monkeypatch, tmp_path):
     monkeypatch.delenv("CUTE_MLA_KERNEL", raising=False)
     monkeypatch.delenv("CUTE_MLA_CANDIDATES", raising=False)
     monkeypatch.delenv("CUTE_MLA_TUNE_SEQ_LENS", raising=False)
-    autotune.clear()
-    autotune._CACHES.clear()
+    tuned.clear()
+    tuned._CACHES.clear()
     yield
-    autotune.clear()
-    autotune._CACHES.clear()
+    tuned.clear()
+    tuned._CACHES.clear()
 
 
 def _cc():
@@ -52,7 +52,7 @@ def _key(batch=4, seq=2048, q_len=1, heads=128, kv="bf16"):
 def test_tuner_times_every_candidate_picks_one_and_caches_it(tmp_path, monkeypatch):
     device = torch.device(DEVICE, torch.cuda.current_device())
     key = _key()
-    cache = autotune.cache_for(device)
+    cache = tuned.cache_for(device)
     report = autotune.tune_keys([key], device, cache=cache, time_per_candidate=0.01)
     assert report["tuned"] == 1, report
     (result,) = report["results"]
@@ -65,8 +65,8 @@ def test_tuner_times_every_candidate_picks_one_and_caches_it(tmp_path, monkeypat
     assert entries[key.id()]["winner"] == result.winner  # written after the shape, atomically
     # a new process (fresh cache object): nothing is timed again
     monkeypatch.setattr(autotune, "tune_shape", lambda *a, **k: pytest.fail("timed a cached shape"))
-    autotune.clear()
-    fresh = autotune.TuneCache(cache.path, autotune.context_for(device))
+    tuned.clear()
+    fresh = tuned.TuneCache(cache.path, tuned.context_for(device))
     assert fresh.load() == 1
     again = autotune.tune_keys([key], device, cache=fresh)
     assert again["cached"] == 1 and again["results"][0].winner == result.winner
@@ -84,12 +84,12 @@ def test_the_tuned_choice_is_captured_in_a_cuda_graph_and_replays_correctly(monk
                                 num_blocks=batch * width + 5, max_blocks=width)
     args = prepare_args(static.q, static.kv_cache, static.block_table, static.seq_lens,
                         softmax_scale=static.softmax_scale)
-    tuned = dataclasses.replace(triton.default_config(args, _cc()), split_plan="uniform", max_splits=64)
-    cid = Candidate("triton", tuned).cid
+    config = dataclasses.replace(triton.default_config(args, _cc()), split_plan="uniform", max_splits=64)
+    cid = Candidate("triton", config).cid
     for seq in (1024, 4096):  # the winner of the deployment's buckets
-        autotune.install(TuneResult(key=ShapeKey.of(args, _cc(), seq), timings_us={cid: 1.0}, refused={},
+        tuned.install(TuneResult(key=ShapeKey.of(args, _cc(), seq), timings_us={cid: 1.0}, refused={},
                                     winner=cid, static=None, labels={cid: "triton tuned"}, seconds=0.0))
-    autotune.set_seq_profile([4096])
+    tuned.set_seq_profile([4096])
     ws = MLAWorkspace(DEVICE, max_batch=8, max_q_len=q_len, num_heads=heads, split_capacity=SPLIT_CAPACITY)
     out = torch.empty(batch * q_len, heads, 512, dtype=BF16, device=DEVICE)
     lse = torch.empty(batch * q_len, heads, dtype=torch.float32, device=DEVICE)
@@ -102,7 +102,7 @@ def test_the_tuned_choice_is_captured_in_a_cuda_graph_and_replays_correctly(monk
         raise AssertionError("the static table was consulted during capture")
 
     with monkeypatch.context() as m:
-        m.setattr(registry, "select_kernel", no_static)
+        m.setattr(api, "select_kernel", no_static)
         graph = capture_graph(run)  # warm-up calls are eager: there max_seq_len=100 -> bucket 512, not tuned
     assert seen and seen[-1] == tuned, seen
     for i, lens in enumerate(([4000, 1, 64], [1, 2, 3], [2500, 4096, 129])):
@@ -120,7 +120,7 @@ def test_the_tuned_choice_is_captured_in_a_cuda_graph_and_replays_correctly(monk
 
 
 def test_serving_warm_up_tunes_before_capture(monkeypatch):
-    """DeploymentTuning (vLLM's builder makes one) tunes on the first eager decode call, within its budget; the
+    """DeploymentTuning (a serving builder makes one and runs it on its first build) tunes within its budget; the
     graph captured after it runs a tuned choice."""
     monkeypatch.setenv("CUTE_MLA_CANDIDATES", "triton")  # few candidates: a short test
     device = torch.device(DEVICE, torch.cuda.current_device())
@@ -130,13 +130,13 @@ def test_serving_warm_up_tunes_before_capture(monkeypatch):
     ws = serving.make_workspace(device, max_num_seqs=4, num_speculative_tokens=0, num_heads=16, out_dtype=BF16)
     runner = serving.DecodeRunner(192 ** -0.5, "auto")
     inp = make_decode_inputs(4, [100, 2048, 7, 900], 1, 16, 64, BF16, "pair", DEVICE, 3, max_blocks=32)
-    runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws, tuning=hook)  # eager: tunes
+    hook.run_once(device)  # eager, as a builder's first build: tunes
     assert hook.report["tuned"] == 2, hook.report
+    runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws)
     args = prepare_args(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, softmax_scale=1.0)
-    graph = capture_graph(lambda _: runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws,
-                                                  tuning=hook))
+    graph = capture_graph(lambda _: runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws))
     torch.cuda.synchronize()
-    assert autotune.lookup(args, _cc()) is not None
+    assert tuned.lookup(args, _cc()) is not None
     out, lse = ws.output_views(4)
     out.fill_(math.nan)
     graph.replay()

@@ -13,7 +13,7 @@ def _bench():
 def test_cells_are_the_combine_launches_with_the_planned_lists():
     bench = _bench()
     cells = {name: (q_len, plan, split_list) for name, q_len, plan, split_list in bench.cells()}
-    # B=4 uniform at q_len 1: every request split, the 2-row tile of ops/workspace.py combine_tiles
+    # B=4 uniform at q_len 1: every request split, the 2-row tile of ops/plan.py combine_tiles
     q_len, plan, split_list = cells["none B=4 S=8192 q1"]
     assert [b for b, _, _ in split_list] == [0, 1, 2, 3] and min(n for _, _, n in split_list) > 1
     assert (plan.combine_rows, plan.combine_col_blocks, plan.combine_split_block) == (2, 1, 16)

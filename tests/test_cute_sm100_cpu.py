@@ -22,10 +22,10 @@ from mla_backend_plugin.kernels.cute_common import aot, host
 from mla_backend_plugin.kernels.cute_common.epilogue import OutputStore
 from mla_backend_plugin.kernels.cute_sm100 import MANIFEST, build, config, launch
 from mla_backend_plugin.kernels.cute_sm100.launch import AOT, unsupported_reason
-from mla_backend_plugin.ops import LaunchConfig, MLAWorkspace, prepare_args, registry
+from mla_backend_plugin.ops import LaunchConfig, MLAWorkspace, prepare_args, registry, selfcheck
 from mla_backend_plugin.ops.arch import ARCHS, arch_for_cc
 from mla_backend_plugin.ops.constants import FP8_DTYPE, SUPPORTED_NUM_HEADS, SUPPORTED_Q_LENS
-from mla_backend_plugin.ops.workspace import balanced_schedule
+from mla_backend_plugin.ops.plan import balanced_schedule
 
 HAS_DSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
 dsl_only = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
@@ -63,13 +63,11 @@ def test_manifest_declares_an_unverified_sm100_family():
 
 
 def test_auto_on_sm100_runs_the_self_check_first(monkeypatch):
-    """Outside verified_archs, registry.self_check_failure asks ops/selfcheck.py before the kernel may run."""
-    from mla_backend_plugin.ops import selfcheck
-
+    """Outside verified_archs, selfcheck.self_check_failure runs the self-check before the kernel may run."""
     calls = []
     monkeypatch.setattr(selfcheck, "self_check_mode", lambda: "auto")
     monkeypatch.setattr(selfcheck, "self_check", lambda spec, device: calls.append(spec.name) or "mismatch")
-    assert registry.self_check_failure(MANIFEST, torch.device("cpu"), (10, 0)) == "mismatch"
+    assert selfcheck.self_check_failure(MANIFEST, torch.device("cpu"), (10, 0)) == "mismatch"
     assert calls == ["cute_sm100"]
 
 

@@ -21,7 +21,7 @@ import torch
 
 from mla_backend_plugin.ops import LaunchConfig, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.ops.workspace import balanced_schedule
+from mla_backend_plugin.ops.plan import balanced_schedule
 from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs, select_kernel_for_test
 
 pytestmark = pytest.mark.gpu

@@ -495,7 +495,7 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
     or when nothing is split."""
     from types import SimpleNamespace
 
-    from mla_backend_plugin.ops.workspace import plan_splits
+    from mla_backend_plugin.ops.plan import plan_splits
 
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)
@@ -621,7 +621,7 @@ def test_a_config_without_a_split_cap_fills_one_wave(heads, q_len, batch, capaci
     """cute_sm90 raises the default split cap to W // batch within the workspace's split capacity, so a B=1 step
     fills the wave (benchmarks/NOTES.md, session 20); the grid stays within W items per m-block, so the fused
     combine still serves it; a config with its own cap keeps it. Where batch x cap >= B + W - 1 it also gets the
-    capacity as its long cap (ops/workspace.py balanced_schedule), which leaves the grid as it was."""
+    capacity as its long cap (ops/plan.py balanced_schedule), which leaves the grid as it was."""
     from mla_backend_plugin.ops import MLAWorkspace
 
     ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=heads, num_sms=132, rows_per_cta=config.BLOCK_M,

@@ -25,7 +25,7 @@ import torch
 from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import KERNELS, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,

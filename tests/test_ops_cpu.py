@@ -33,7 +33,7 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_Q_LENS,
     WORK_ITEM_INTS,
 )
-from mla_backend_plugin.ops.workspace import MAX_SPLITS, TARGET_CTAS_PER_SM
+from mla_backend_plugin.ops.plan import MAX_SPLITS, TARGET_CTAS_PER_SM
 from mla_backend_plugin.testing import (
     POISON_16BIT,
     SOFTMAX_SCALE,
@@ -584,7 +584,7 @@ def test_env_override_selects_reference(monkeypatch):
 def test_decisions_are_kept_per_signature(monkeypatch):
     """With a workspace, a call's decision (kernel + config) is made once per signature and kept there; a change of
     shape, dtype, stride, scale form, environment or the tuner's table decides again; the result is the same."""
-    from mla_backend_plugin.ops import api, autotune
+    from mla_backend_plugin.ops import api, tuned
 
     decided = []
     real = api._decide
@@ -613,7 +613,7 @@ def test_decisions_are_kept_per_signature(monkeypatch):
     call()
     call()
     assert len(decided) == 5
-    autotune.set_seq_profile(None)  # the tuner's table/profile changed
+    tuned.set_seq_profile(None)  # the tuner's table/profile changed
     call()
     assert len(decided) == 6
     mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference")  # no workspace: no memo

@@ -35,7 +35,7 @@ from mla_backend_plugin.kernels.reference import mla_decode_reference
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, WORK_ITEM_INTS
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, BalancedSchedule, ShareSchedule, step_schedule
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY, BalancedSchedule, ShareSchedule, step_schedule
 from mla_backend_plugin.testing import (
     assert_close_decode,
     capture_graph,
@@ -298,7 +298,7 @@ def test_padded_requests(batch, q_len, heads, bs):
 def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
     """A 33k-token request in a batch of ~200-token ones (and a padded slot): correct output, and for the
     kernels that run the balanced split plan the split list the kernel wrote for the combine is exactly
-    ops/workspace.py balanced_schedule's (the long request split even when the batch fills the GPU)."""
+    ops/plan.py balanced_schedule's (the long request split even when the batch fills the GPU)."""
     bs = 64
     seed = _seed("one-long", batch, q_len, heads, kv_kind)
     lens = draw_seq_lens(batch, 200, block_size=bs, seed=seed)
@@ -315,7 +315,7 @@ def test_one_long_request_among_short_ones(batch, q_len, heads, kv_kind):
 def _check_balanced_split_list(inp, lens, q_len, heads, split_capacity=None):
     """Runs ``inp`` on a fresh workspace (room for ``split_capacity`` splits per request; the serving backends
     make theirs with SPLIT_CAPACITY) against the reference; for cute_sm90 also checks that the split list the
-    kernel wrote for the combine and its step table are exactly the reference's (ops/workspace.py
+    kernel wrote for the combine and its step table are exactly the reference's (ops/plan.py
     ``step_schedule`` under CUTE_MLA_SM90_PLAN, with the caps cute_sm90's launch gives the default config):
     returns (schedule, plan)."""
     from types import SimpleNamespace
@@ -356,7 +356,7 @@ def _check_balanced_split_list(inp, lens, q_len, heads, split_capacity=None):
 
 def _check_share_table(ws, lens, plan, sched):
     """cute_sm90 under the share plan: the split list and the step's table (the pieces longest first, each with
-    its slot; exits past them) the plan kernel wrote are exactly ops/workspace.py share_schedule's."""
+    its slot; exits past them) the plan kernel wrote are exactly ops/plan.py share_schedule's."""
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_N as CUTE_BLOCK_N
 
     expected = [len(sched.split_requests)]
@@ -408,7 +408,7 @@ def test_share_plan_splits_at_share_boundaries(kv_kind, q_form, q_len, monkeypat
 def test_long_request_takes_the_long_cap(kv_kind, q_form, q_len):
     """The benchmark's one-long cell at B=8 (one ~32k request among ~1k ones, one of length 1) on a serving
     workspace (split capacity 64): on a 132-SM H100 at q_len 1 the long request takes more than the default cap of
-    32 items (52 of 10 tiles, ops/workspace.py balanced_schedule's long cap) and the combine kernel merges more
+    32 items (52 of 10 tiles, ops/plan.py balanced_schedule's long cap) and the combine kernel merges more
     splits than its block of LSEs (two rounds). Correct output in every design (bf16 seesaw, fp8 q design B, bf16 q
     on an fp8 cache: design B at B=8; q_len 2: 4 m-blocks, W = 33, the cap does not bind), and the table the plan
     kernel wrote is the reference's."""
@@ -433,7 +433,7 @@ def test_long_request_takes_the_long_cap(kv_kind, q_form, q_len):
 def test_combine_merges_few_split_requests_of_many_splits(kv_kind, q_form, batch, long_requests):
     """The benchmark's one-long cells at B=32 and 128 (one ~32k request among <= 1k ones; one of length 1): one
     split request (J = 1) of 14-32 splits under a combine grid shaped for J_max = 32-65 split requests (its tile:
-    ops/workspace.py combine_tile, several load rounds at B=128); with 24 long requests J = 24. Correct output
+    ops/plan.py combine_tiles, several load rounds at B=128); with 24 long requests J = 24. Correct output
     (outputs NaN first, poisoned unread slots) on a serving workspace; for cute_sm90 under the balanced plan, J
     as its plan kernel wrote it."""
     heads, bs, q_len = 128, 64, 1

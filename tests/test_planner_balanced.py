@@ -1,4 +1,4 @@
-"""The balanced split plan (ops/workspace.py): its bounds, its makespan against the uniform plan on a model
+"""The balanced split plan (ops/plan.py): its bounds, its makespan against the uniform plan on a model
 of an H100, and the real Triton kernels running it through Triton's CPU interpreter."""
 
 from __future__ import annotations
@@ -12,17 +12,15 @@ import sys
 import pytest
 
 from mla_backend_plugin.ops.constants import SUPPORTED_NUM_HEADS, SUPPORTED_Q_LENS
-from mla_backend_plugin.ops.workspace import (
+from mla_backend_plugin.ops.plan import (
     MAX_SPLITS,
     MIN_CHUNK_TOKENS,
-    MLAWorkspace,
     balanced_schedule,
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
     plan_splits,
     uniform_request_splits,
 )
+from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_SMS = 132  # H100 SXM
@@ -312,7 +310,7 @@ def _bench_long_tail(batch: int, max_len: int = 32768, seed: int = 0) -> list[in
 @pytest.mark.parametrize("heads", SUPPORTED_NUM_HEADS)
 @pytest.mark.parametrize("q_len", SUPPORTED_Q_LENS)
 def test_combine_tiles_cover_whole_rows(heads, q_len):
-    """Every balanced plan's combine tile (ops/workspace.py combine_tiles): at least 2 rows of all 512 columns
+    """Every balanced plan's combine tile (ops/plan.py combine_tiles): at least 2 rows of all 512 columns
     (fewer leave the 128 threads' 8-wide loads crossing warps in the sum over splits, 2-4x slower on an H100) that
     divide q_len x H, a power-of-2 split block within the cap, at most 2 x 16 x 512 partials a round, and no fewer
     splits a round for a plan shaped for fewer split requests."""

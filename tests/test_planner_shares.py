@@ -1,4 +1,4 @@
-"""The share plan (ops/workspace.py ``share_schedule``, cute_sm90 ``split_plan="shares"``): its bounds against the
+"""The share plan (ops/plan.py ``share_schedule``, cute_sm90 ``split_plan="shares"``): its bounds against the
 host's buffers, a transcription of the device's warp algorithm (kernels/cute_common/scheduler.py
 ``ShareScheduler.write_piece``) against the reference, and its modelled step on the ragged batches it is for."""
 
@@ -10,18 +10,16 @@ import pytest
 from test_planner_balanced import BLOCK_N, NUM_SMS, ROWS, _bench_long_tail, _random_lens
 
 from mla_backend_plugin.ops.constants import SHARE_REQUEST_COST, WORK_ITEM_INTS
-from mla_backend_plugin.ops.workspace import (
+from mla_backend_plugin.ops.plan import (
     MAX_SPLITS,
     ShareSchedule,
     balanced_schedule,
-    ideal_makespan,
-    makespan,
-    plan_cta_costs,
     plan_splits,
     prefers_shares,
     share_schedule,
     step_schedule,
 )
+from mla_backend_plugin.testing.schedule_model import ideal_makespan, makespan, plan_cta_costs
 
 
 def _cdiv(a: int, b: int) -> int:

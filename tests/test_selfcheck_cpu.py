@@ -1,4 +1,4 @@
-"""First-use self-check of kernels on unverified architectures (ops/selfcheck.py + ops/registry.py), on CPU.
+"""First-use self-check of kernels on unverified architectures (ops/selfcheck.py, api.select_kernel's gate), on CPU.
 
 Fake kernels stand in for a compiled one: the reference (correct), one that leaves a row unwritten, one that
 is slightly wrong, one that raises. The registry is pointed at them with a pretend SM120 device.
@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from mla_backend_plugin.ops import registry, selfcheck
+from mla_backend_plugin.ops import api, registry, selfcheck
 from mla_backend_plugin.ops.api import mla_decode
 from mla_backend_plugin.testing import SOFTMAX_SCALE, make_decode_inputs
 
@@ -52,7 +52,7 @@ BAD = {name: dataclasses.replace(REFERENCE, name=name, launch=fn, verified_archs
 @pytest.fixture(autouse=True)
 def fresh_results(monkeypatch):
     selfcheck.clear_results()
-    registry._WARNED.clear()
+    api._WARNED.clear()
     monkeypatch.delenv(selfcheck.SELF_CHECK_ENV_VAR, raising=False)
     yield
     selfcheck.clear_results()
@@ -60,7 +60,7 @@ def fresh_results(monkeypatch):
 
 @pytest.fixture
 def fake_sm120(monkeypatch):
-    kernels = {"good": GOOD, **BAD}
+    kernels = {"reference": REFERENCE, "good": GOOD, **BAD}  # the reference: what the self-check compares with
     monkeypatch.setattr(registry, "KERNELS", kernels)
     monkeypatch.setattr(registry, "AUTO_ORDER", {12: ("unwritten", "wrong", "raises", "reads_tail", "good")})
     monkeypatch.setattr(registry, "device_capability", lambda device: (12, 0))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mla_backend_plugin.ops import serving
-from mla_backend_plugin.testing import poison_runner_outputs
-from mla_backend_plugin.testing.inputs import make_decode_inputs
+from mla_backend_plugin.testing import make_decode_inputs, poison_runner_outputs
+from mla_backend_plugin.testing import reference_check as checks
 
 
 def _inputs(kv_dtype, q_len=2):
@@ -26,12 +26,13 @@ def test_runner_writes_one_check_record_per_call(monkeypatch, tmp_path, kv_dtype
     inp = _inputs(kv_dtype)
     ws = serving.make_workspace("cpu", max_num_seqs=4, num_speculative_tokens=1, num_heads=16,
                                 out_dtype=torch.bfloat16)
-    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if kv_dtype == torch.float8_e4m3fn else "auto")
+    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if kv_dtype == torch.float8_e4m3fn else "auto",
+                                  check=checks.engine_check())
     for _ in range(2):
         runner.decode(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, kv_scale=inp.kv_scale)
     [name] = os.listdir(tmp_path)
     assert name == f"{os.getpid()}.jsonl"
-    total = serving.read_check_records(str(tmp_path))
+    total = checks.read_check_records(str(tmp_path))
     assert total["calls"] == 2 and total["processes"] == 1
     assert total["q_lens"] == {"2": 2} and total["heads"] == {"16": 2} and total["block_sizes"] == {"16": 2}
     assert total["kv_dtypes"] == {str(kv_dtype): 2}
@@ -46,20 +47,20 @@ def test_check_catches_a_wrong_output():
 
     out, lse = mla_decode(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, softmax_scale=inp.softmax_scale,
                           kernel="reference")
-    good = serving.reference_check(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, inp.softmax_scale,
+    good = checks.reference_check(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, inp.softmax_scale,
                                    out, lse)
     assert good["max_rel_err"] < 1e-2
     wrong = out.clone()
     wrong[1] = 0  # one query row lost
-    bad = serving.reference_check(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, inp.softmax_scale,
+    bad = checks.reference_check(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, inp.softmax_scale,
                                   wrong, lse + 0.5)
     assert bad["max_rel_err"] > 0.05 and bad["max_lse_err"] == pytest.approx(0.5, abs=1e-3)
 
 
 def test_merge_check_records():
     total = {}
-    serving.merge_check_records(total, {"calls": 1, "q_lens": {"1": 1}, "max_rel_err": 0.1})
-    serving.merge_check_records(total, {"calls": 1, "q_lens": {"1": 1, "2": 1}, "max_rel_err": 0.05})
+    checks.merge_check_records(total, {"calls": 1, "q_lens": {"1": 1}, "max_rel_err": 0.1})
+    checks.merge_check_records(total, {"calls": 1, "q_lens": {"1": 1, "2": 1}, "max_rel_err": 0.05})
     assert total == {"calls": 2, "q_lens": {"1": 2, "2": 1}, "max_rel_err": 0.1}
     assert json.loads(json.dumps(total)) == total
 
@@ -170,7 +171,7 @@ def test_token_requests_decode_like_each_requests_q_block(monkeypatch, tmp_path,
                                 out_dtype=torch.bfloat16)
     ws.max_batch = 3  # slices of 3 token requests here (make_workspace would leave room for 128 with token_requests)
     fp8 = kv_dtype == torch.float8_e4m3fn
-    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto")
+    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto", check=checks.engine_check())
     poison_runner_outputs(monkeypatch)
     calls = []
     real = serving.mla_decode
@@ -181,7 +182,7 @@ def test_token_requests_decode_like_each_requests_q_block(monkeypatch, tmp_path,
     from mla_backend_plugin.testing import assert_close_decode
 
     assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype)
-    total = serving.read_check_records(str(tmp_path))
+    total = checks.read_check_records(str(tmp_path))
     assert total["calls"] == 1 and total["token_request_calls"] == 1 and total["q_lens"] == {"mixed": 1}
     assert total["max_rel_err"] < 1e-2 and total["lse_inf_mismatch"] == 0
 

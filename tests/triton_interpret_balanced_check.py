@@ -22,7 +22,8 @@ from mla_backend_plugin.kernels.triton_decode.config import config_for
 from mla_backend_plugin.kernels.triton_decode.kernel import launch
 from mla_backend_plugin.ops.api import prepare_args
 from mla_backend_plugin.ops.manifest import LaunchConfig
-from mla_backend_plugin.ops.workspace import MLAWorkspace, balanced_schedule
+from mla_backend_plugin.ops.plan import balanced_schedule
+from mla_backend_plugin.ops.workspace import MLAWorkspace
 from mla_backend_plugin.testing import SOFTMAX_SCALE, assert_close_decode, make_decode_inputs
 
 # (kv dtype, seq_lens, q_len, heads, page size, pretend SMs, max_splits, balanced, want: request -> min splits)

@@ -37,6 +37,7 @@ def install_checker(stats: dict) -> None:
 
     from mla_backend_plugin.ops import serving
     from mla_backend_plugin.ops.constants import FP8_DTYPE
+    from mla_backend_plugin.testing import reference_check as checks
     from mla_backend_plugin.vllm.backend import CuteMLAImpl
 
     original = CuteMLAImpl.forward_mqa
@@ -50,7 +51,7 @@ def install_checker(stats: dict) -> None:
         # DCP with q_len > 1: row_kv_lens holds the limits in local positions; a step of mixed q_lens (token
         # requests) is recomputed request by request from vLLM's own block table and lengths
         token_requests = getattr(decode, "token_requests", None)
-        record = serving.reference_check(
+        record = checks.reference_check(
             q, serving.kernel_cache(kv_cache, self.runner.kv_cache_dtype), decode.block_table, decode.seq_lens,
             self.scale, out, lse, q_scale=layer._q_scale if q_is_fp8 else None,
             kv_scale=layer._k_scale if self.runner.is_fp8_kv_cache else None,
@@ -59,16 +60,16 @@ def install_checker(stats: dict) -> None:
         record["dcp_world_sizes"] = {str(max(self.dcp_world_size, 1)): 1}
         stats_dir = os.environ.get(STATS_DIR_ENV)
         if stats_dir:
-            serving.append_check_record(stats_dir, record)
+            checks.append_check_record(stats_dir, record)
         else:
-            serving.merge_check_records(stats, record)
+            checks.merge_check_records(stats, record)
         return out, lse
 
     CuteMLAImpl.forward_mqa = checked_forward_mqa
 
 
 def collect_worker_stats(stats: dict, stats_dir: str) -> None:
-    from mla_backend_plugin.ops.serving import merge_check_records, read_check_records
+    from mla_backend_plugin.testing.reference_check import merge_check_records, read_check_records
 
     workers = read_check_records(stats_dir)
     stats["workers"] += workers.pop("processes")

@@ -1,223 +1,30 @@
-"""``mla_decode``: the one kernel API every decode kernel of this package sits behind."""
+"""``mla_decode``: the one kernel API every decode kernel of this package sits behind.
+
+A call is validated (ops/args.py), then decided: the tuned choice for its shape (ops/tuned.py) when the tuner
+has one, else the arch table's (``select_kernel``: the first kernel of ``registry.AUTO_ORDER`` that supports the
+call and passes its first-use self-check, ops/selfcheck.py), checked to fit the workspace (ops/workspace.py), and
+launched. A workspace keeps the decision of each call signature, so an engine's layers and steps decide once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 
 import torch
 
 from mla_backend_plugin import envs
-from mla_backend_plugin.ops.constants import (
-    FP8_DTYPE,
-    KV_CACHE_DTYPES,
-    KV_LORA_RANK,
-    OUT_DTYPES,
-    Q_DTYPES,
-    QK_HEAD_DIM,
-    QK_ROPE_HEAD_DIM,
-    SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_NUM_HEADS,
-    SUPPORTED_Q_LENS,
-    dtype_names,
-)
-from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig
+from mla_backend_plugin.ops import registry, selfcheck, tuned
+from mla_backend_plugin.ops.arch import device_smem_per_block
+from mla_backend_plugin.ops.args import DecodeArgs, Scale, fail, prepare_args
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, KernelManifest, LaunchConfig
 from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, default_workspace
 
-Scale = float | torch.Tensor | None
+logger = logging.getLogger("mla_backend_plugin")
 
-
-@dataclasses.dataclass
-class DecodeArgs:
-    """Validated, normalised inputs of one decode call (what a kernel's ``launch`` receives)."""
-
-    q_nope: torch.Tensor  # [B*q_len, H, 512] view, last dim contiguous
-    q_pe: torch.Tensor  # [B*q_len, H, 64] view, last dim contiguous
-    kv_cache: torch.Tensor  # [num_blocks, block_size, 576], last dim contiguous
-    block_table: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32
-    batch: int
-    q_len: int
-    num_heads: int
-    softmax_scale: float
-    q_scale: Scale  # dequantisation scale of an fp8 q (None for 16-bit q)
-    kv_scale: Scale  # dequantisation scale of an fp8 KV cache (None for 16-bit caches)
-    out: torch.Tensor  # [B*q_len, H, 512]
-    lse: torch.Tensor  # [B*q_len, H] float32, natural log
-    compute_dtype: torch.dtype  # 16-bit dtype the matrix products run in
-    # [B, q_len] int32: keys each query row sees (at most seq_len), or None for the usual causal rule
-    # (seq_len - q_len + t + 1). Given for a KV cache sharded across ranks (decode context parallelism).
-    row_kv_lens: torch.Tensor | None = None
-    # the decode step this call belongs to (mla_decode's ``step``): a family with a step-plan kernel plans once
-    # per step; not part of the signature (it changes every step, the decision does not)
-    step: StepPlans | None = None
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_cache.shape[1]
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        return self.kv_cache.dtype
-
-    @property
-    def q_dtype(self) -> torch.dtype:
-        return self.q_nope.dtype
-
-    def signature(self) -> tuple:
-        """Everything of this call that a kernel decision (registry support, tuned lookup, launch config, workspace
-        fit) may depend on: shapes, dtypes, strides, the 16-byte alignment of the rows kernels load by TMA or
-        vectors, the scale forms, the device. Two calls with one signature get one decision."""
-        qn, qp, kv, out = self.q_nope, self.q_pe, self.kv_cache, self.out
-        return (self.batch, self.q_len, self.num_heads, qn.dtype, kv.dtype, out.dtype, kv.shape[1],
-                self.block_table.shape[1], qn.stride(), qp.stride(), kv.stride(), out.stride(), self.lse.stride(),
-                qn.data_ptr() % 16, qp.data_ptr() % 16, kv.data_ptr() % 16, out.data_ptr() % 16,
-                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, qn.device)
-
-
-def _fail(arg: str, msg: str):
-    raise ValueError(f"mla_decode: {arg}: {msg}")
-
-
-def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.device) -> Scale:
-    if scale is None:
-        return None
-    if not tensor_is_fp8:
-        _fail(name, "is a dequantisation scale of an fp8 tensor; pass None when that tensor is 16-bit")
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            _fail(name, f"must be a float or a 1-element float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
-        if scale.device != device:
-            _fail(name, f"must be on {device}, got {scale.device}")
-        return scale.reshape(1)  # one shape for every kernel (vLLM passes 0-d scales); a view, no copy
-    return float(scale)
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(q, (tuple, list)):
-        if len(q) != 2:
-            _fail("q", "a tuple must be (q_nope [T, H, 512], q_pe [T, H, 64])")
-        q_nope, q_pe = q
-        for name, t, d in (("q_nope", q_nope, KV_LORA_RANK), ("q_pe", q_pe, QK_ROPE_HEAD_DIM)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != d:
-                _fail(name, f"must be a 3-D tensor [tokens, heads, {d}], got "
-                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if q_nope.shape[:2] != q_pe.shape[:2]:
-            _fail("q", f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} disagree on [tokens, heads]")
-        if q_nope.dtype != q_pe.dtype:
-            _fail("q", f"q_nope is {q_nope.dtype} but q_pe is {q_pe.dtype}")
-        if q_nope.dtype not in Q_DTYPES:
-            _fail("q", f"dtype {q_nope.dtype} is not supported for the (q_nope, q_pe) form; "
-                       f"allowed: {dtype_names(Q_DTYPES)}")
-        return q_nope, q_pe
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[-1] != QK_HEAD_DIM:
-        _fail("q", f"must be a [tokens, heads, {QK_HEAD_DIM}] tensor or a (q_nope, q_pe) pair, got "
-                   f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    if q.dtype not in Q_DTYPES + (FP8_DTYPE,):
-        _fail("q", f"dtype {q.dtype} is not supported; allowed: {dtype_names(Q_DTYPES + (FP8_DTYPE,))}")
-    return q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
-
-
-def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
-                 q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
-                 lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 row_kv_lens: torch.Tensor | None = None) -> DecodeArgs:
-    """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
-    q_nope, q_pe = _split_q(q)
-    for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
-        if t.stride(-1) != 1:
-            _fail(name, "last dimension must be contiguous (stride 1)")
-    num_tokens, num_heads = q_nope.shape[:2]
-    device = q_nope.device
-    if num_heads not in SUPPORTED_NUM_HEADS:
-        _fail("q", f"{num_heads} heads is not supported; allowed heads per rank: {SUPPORTED_NUM_HEADS}")
-
-    if not isinstance(kv_cache, torch.Tensor):
-        _fail("kv_cache", f"must be a tensor, got {type(kv_cache).__name__}")
-    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
-        kv_cache = kv_cache.squeeze(2)  # [num_blocks, block_size, 1, 576] (one latent "head")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != QK_HEAD_DIM:
-        _fail("kv_cache", f"must be [num_blocks, block_size, {QK_HEAD_DIM}], got {tuple(kv_cache.shape)}")
-    if kv_cache.dtype not in KV_CACHE_DTYPES:
-        hint = " (view a uint8 fp8 cache as torch.float8_e4m3fn)" if kv_cache.dtype == torch.uint8 else ""
-        _fail("kv_cache", f"dtype {kv_cache.dtype} is not supported; allowed: {dtype_names(KV_CACHE_DTYPES)}{hint}")
-    if kv_cache.stride(-1) != 1:
-        _fail("kv_cache", "last dimension must be contiguous (stride 1)")
-    if kv_cache.shape[1] not in SUPPORTED_BLOCK_SIZES:
-        _fail("kv_cache", f"block size {kv_cache.shape[1]} is not supported; allowed: {SUPPORTED_BLOCK_SIZES}")
-
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
-        _fail("block_table", "must be an int32 tensor [batch, max_blocks_per_request]")
-    if block_table.stride(-1) != 1:
-        _fail("block_table", "last dimension must be contiguous (stride 1)")
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        _fail("seq_lens", "must be an int32 tensor [batch]")
-    if not seq_lens.is_contiguous():
-        _fail("seq_lens", "must be contiguous")
-    batch = block_table.shape[0]
-    if seq_lens.shape[0] != batch:
-        _fail("seq_lens", f"has {seq_lens.shape[0]} entries but block_table has {batch} rows")
-    if batch == 0:
-        _fail("block_table", "batch is empty")
-    if num_tokens % batch != 0:
-        _fail("q", f"{num_tokens} tokens is not a multiple of the batch ({batch}): q_len must be uniform")
-    derived_q_len = num_tokens // batch
-    if q_len is not None and q_len != derived_q_len:
-        _fail("q_len", f"is {q_len} but q has {num_tokens} tokens for {batch} requests ({derived_q_len} each)")
-    q_len = derived_q_len
-    if q_len not in SUPPORTED_Q_LENS:
-        _fail("q_len", f"{q_len} query tokens per request is not supported; allowed: {SUPPORTED_Q_LENS}")
-    for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.device != device:
-            _fail(name, f"is on {t.device} but q is on {device}")
-
-    if row_kv_lens is not None:
-        if not isinstance(row_kv_lens, torch.Tensor) or row_kv_lens.dtype != torch.int32 \
-                or tuple(row_kv_lens.shape) != (batch, q_len):
-            _fail("row_kv_lens", f"must be an int32 tensor [batch, q_len] = [{batch}, {q_len}] (keys each query "
-                                 f"row sees), got {_describe(row_kv_lens)}")
-        if not row_kv_lens.is_contiguous():
-            _fail("row_kv_lens", "must be contiguous")
-        if row_kv_lens.device != device:
-            _fail("row_kv_lens", f"is on {row_kv_lens.device} but q is on {device}")
-
-    q_is_fp8 = q_nope.dtype == FP8_DTYPE
-    kv_is_fp8 = kv_cache.dtype == FP8_DTYPE
-    if out is not None and out_dtype is not None and out.dtype != out_dtype:
-        _fail("out_dtype", f"is {out_dtype} but out is {out.dtype}")
-    if out_dtype is None:
-        out_dtype = out.dtype if out is not None else (None if q_is_fp8 else q_nope.dtype)
-    if out_dtype is None:
-        _fail("out_dtype", f"q is fp8, so the output dtype must be given (out= or out_dtype=); "
-                           f"allowed: {dtype_names(OUT_DTYPES)}")
-    if out_dtype not in OUT_DTYPES:
-        _fail("out_dtype", f"{out_dtype} is not supported; allowed: {dtype_names(OUT_DTYPES)}")
-    compute_dtype = out_dtype if q_is_fp8 else q_nope.dtype
-    if not kv_is_fp8 and kv_cache.dtype != compute_dtype:
-        _fail("kv_cache", f"a 16-bit cache must have q's dtype ({compute_dtype}), got {kv_cache.dtype}")
-    q_scale = _check_scale("q_scale", q_scale, q_is_fp8, device)
-    kv_scale = _check_scale("kv_scale", kv_scale, kv_is_fp8, device)
-    if not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        _fail("softmax_scale", f"must be a positive Python float, got {softmax_scale!r}")
-
-    out_shape = (num_tokens, num_heads, KV_LORA_RANK)
-    if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=device)
-    elif tuple(out.shape) != out_shape or out.device != device or out.stride(-1) != 1:
-        _fail("out", f"must be a {out_shape} tensor on {device} with a contiguous last dim, "
-                     f"got {tuple(out.shape)} on {out.device}")
-    if lse is None:
-        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
-    elif tuple(lse.shape) != (num_tokens, num_heads) or lse.dtype != torch.float32 or lse.device != device:
-        _fail("lse", f"must be a float32 tensor {(num_tokens, num_heads)} on {device}, "
-                     f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
-                      batch=batch, q_len=q_len, num_heads=num_heads, softmax_scale=float(softmax_scale),
-                      q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype,
-                      row_kv_lens=row_kv_lens)
+__all__ = ["DecodeArgs", "expected_launch", "mla_decode", "prepare_args", "select_kernel"]
 
 
 def mla_decode(
@@ -260,7 +67,7 @@ def mla_decode(
             not 16-byte aligned (``auto`` then picks another kernel).
         out_dtype: output dtype (bf16/fp16); required when q is fp8 and ``out`` is not given.
         workspace: an ``MLAWorkspace``; required for CUDA-graph capture (a cached one is used otherwise).
-        kernel: ``"auto"`` (the autotuner's choice for this GPU and shape when it has one, ops/autotune.py,
+        kernel: ``"auto"`` (the autotuner's choice for this GPU and shape when it has one, ops/tuned.py,
             else the best verified kernel of the arch table), or a kernel name from ``available_kernels()``.
             The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
         enable_pdl: programmatic dependent launch (SM90+); None = the kernel's default (``CUTE_MLA_PDL``).
@@ -271,7 +78,7 @@ def mla_decode(
             kernel (no tuned choice is looked up).
         max_seq_len: the longest KV length of this call when the caller knows it on the host (eager engines):
             the tuned choice of that length bucket. Ignored under CUDA-graph capture, where one graph serves
-            every length: there the deployment's context profile decides (``autotune.set_seq_profile``).
+            every length: there the deployment's context profile decides (``tuned.set_seq_profile``).
         row_kv_lens: optional int32 ``[batch, q_len]`` device tensor: row t of request b attends to its first
             ``min(row_kv_lens[b, t], seq_lens[b])`` keys instead of ``seq_len - q_len + t + 1``. For a KV cache
             sharded across ranks (decode context parallelism), where the q block's own new tokens are not all
@@ -284,17 +91,15 @@ def mla_decode(
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
     """
-    from mla_backend_plugin.ops import autotune
-
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
                         row_kv_lens=row_kv_lens)
     if step is not None:
         if not isinstance(step, StepPlans):
-            _fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")
+            fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")
         args.step = step
     if config is not None and not isinstance(config, LaunchConfig):
-        _fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
+        fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
     if kernel == "auto":
         kernel = envs.CUTE_MLA_KERNEL
     # An engine calls with one workspace and the same shapes every layer and step: the decision of a signature is
@@ -305,8 +110,8 @@ def mla_decode(
     if workspace is not None:
         device = args.q_nope.device
         key = (kernel, config, enable_pdl, fp8_design, args.signature(),
-               None if max_seq_len is None else autotune.seq_bucket(max_seq_len),
-               device.type == "cuda" and torch.cuda.is_current_stream_capturing(), autotune.table_version(),
+               None if max_seq_len is None else tuned.seq_bucket(max_seq_len),
+               device.type == "cuda" and torch.cuda.is_current_stream_capturing(), tuned.table_version(),
                envs.raw_values())
         decided = workspace.decisions.get(key)
     if decided is None:
@@ -323,12 +128,9 @@ def _choice(args: DecodeArgs, kernel: str, config: LaunchConfig | None, cc, max_
     """(kernel spec, launch config or None, whether tuned): the tuner's choice for ``kernel="auto"`` without a
     given config, else the arch table's (or the named) kernel with ``config``. ``check=False``: no self-check is
     run (what a later call will most likely launch, for prebuilding)."""
-    from mla_backend_plugin.ops import autotune
-    from mla_backend_plugin.ops.registry import select_kernel
-
-    tuned = autotune.lookup(args, cc, max_seq_len, check=check) if kernel == "auto" and config is None else None
-    if tuned is not None:
-        return tuned.spec, tuned.config, True
+    choice = tuned.lookup(args, cc, max_seq_len, check=check) if kernel == "auto" and config is None else None
+    if choice is not None:
+        return choice.spec, choice.config, True
     return select_kernel(args, kernel, self_check=check), config, False
 
 
@@ -336,9 +138,7 @@ def expected_launch(args: DecodeArgs, kernel: str = "auto"):
     """(kernel spec, launch config) ``mla_decode`` will most likely launch for ``args`` once the engine runs, as far
     as it is known before its first call: no self-check is run, no workspace is made. Raises ValueError when no
     kernel supports the call."""
-    from mla_backend_plugin.ops.registry import device_capability
-
-    cc = device_capability(args.q_nope.device)
+    cc = registry.device_capability(args.q_nope.device)
     spec, config, _ = _choice(args, kernel, None, cc, None, check=False)
     return spec, config if config is not None else spec.default_config(args, cc)
 
@@ -346,17 +146,13 @@ def expected_launch(args: DecodeArgs, kernel: str = "auto"):
 def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspace: MLAWorkspace | None,
             enable_pdl: bool | None, fp8_design: str | None, max_seq_len: int | None):
     """(kernel spec, launch config, workspace) of a call: the tuned choice or the arch table's, checked to fit."""
-    from mla_backend_plugin.ops.registry import device_capability, select_kernel
-
-    cc = device_capability(args.q_nope.device)
-    spec, config, tuned = _choice(args, kernel, config, cc, max_seq_len)
+    cc = registry.device_capability(args.q_nope.device)
+    spec, config, is_tuned = _choice(args, kernel, config, cc, max_seq_len)
     if spec.needs_workspace:
         if workspace is None:
             workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
         workspace.check_fits(args.batch, args.q_len, args.num_heads, args.q_nope.device)
-        if tuned and spec.plan_tile is not None:
-            from mla_backend_plugin.ops.arch import device_smem_per_block
-
+        if is_tuned and spec.plan_tile is not None:
             tile = spec.plan_tile(args.num_heads, device_smem_per_block(args.q_nope.device), config)
             if workspace.refusal(args.batch, args.q_len, tile, config) is not None:  # e.g. a smaller split capacity
                 spec, config = select_kernel(args, kernel), None
@@ -364,13 +160,77 @@ def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspac
         config = spec.default_config(args, cc)
     if enable_pdl is not None:
         if enable_pdl and (cc is None or cc < (9, 0)):
-            _fail("enable_pdl", f"PDL needs compute capability >= 9.0, device has {cc}; pass None or False")
+            fail("enable_pdl", f"PDL needs compute capability >= 9.0, device has {cc}; pass None or False")
         config = dataclasses.replace(config, enable_pdl=bool(enable_pdl))
     if fp8_design is not None:
         if fp8_design not in FP8_DESIGNS:
-            _fail("fp8_design", f"{fp8_design!r} is not a design; allowed: {', '.join(FP8_DESIGNS)}")
+            fail("fp8_design", f"{fp8_design!r} is not a design; allowed: {', '.join(FP8_DESIGNS)}")
         if args.kv_dtype == FP8_DTYPE:
             config = dataclasses.replace(config, fp8_design=fp8_design)
     if spec.needs_workspace and workspace is None:  # a static choice after a tuned one the workspace refused
         workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)
     return spec, config, workspace
+
+
+# --------------------------------------------------------------------------------------------------------
+# The arch table's choice (what kernel="auto" runs without a tuned choice, and a kernel named by the caller)
+# --------------------------------------------------------------------------------------------------------
+
+_WARNED: set[tuple[str, str]] = set()
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def _announce(spec: KernelManifest, device, cc) -> None:
+    key = (spec.name, str(device))
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        where = f"compute capability {cc[0]}.{cc[1]}" if cc else str(device)
+        logger.info("mla_decode: kernel %r on %s (%s)", spec.name, device, where)
+
+
+def select_kernel(args, name: str = "auto", self_check: bool = True) -> KernelManifest:
+    """The kernel ``name`` (checked to support the call) or, for ``"auto"``, the first of the arch's AUTO_ORDER
+    that supports it and passes its self-check. ``self_check=False``: no self-check run and nothing announced
+    (a guess of what a later call will run, for prebuilding)."""
+    cc = registry.device_capability(args.q_nope.device)
+    if name != "auto":
+        spec = registry.KERNELS.get(name)
+        if spec is None:
+            raise ValueError(f"mla_decode: kernel: unknown kernel {name!r}; allowed: 'auto', "
+                             + ", ".join(repr(k) for k in registry.KERNELS))
+        reason = registry.unsupported_reason(spec, args, cc)
+        if reason is not None:
+            raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
+        if not self_check:
+            return spec
+        failure = selfcheck.self_check_failure(spec, args.q_nope.device, cc)
+        if failure is not None:
+            raise RuntimeError(f"mla_decode: kernel {name!r} failed its self-check on compute capability "
+                               f"{cc}: {failure}")
+        _announce(spec, args.q_nope.device, cc)
+        return spec
+    if cc is None:
+        raise ValueError(f"mla_decode: q: kernels need a CUDA device, got {args.q_nope.device} "
+                         "(kernel='reference' runs anywhere)")
+    order = registry.AUTO_ORDER.get(cc[0])
+    if order is None:
+        raise ValueError(f"mla_decode: device: compute capability {cc[0]}.{cc[1]} has no decode kernel; "
+                         f"supported majors: {sorted(registry.AUTO_ORDER)}")
+    reasons = []
+    for kname in order:
+        spec = registry.KERNELS[kname]
+        reason = registry.unsupported_reason(spec, args, cc)
+        if reason is None and not self_check:
+            return spec
+        if reason is None:
+            failure = selfcheck.self_check_failure(spec, args.q_nope.device, cc)
+            if failure is None:
+                _announce(spec, args.q_nope.device, cc)
+                return spec
+            if (kname, str(args.q_nope.device)) not in _WARNED:  # once per kernel and device
+                _WARNED.add((kname, str(args.q_nope.device)))
+                warnings.warn(f"mla_decode: kernel {kname!r} failed its self-check on compute capability {cc} "
+                              f"and is skipped: {failure}", RuntimeWarning, stacklevel=3)
+            reason = f"failed its self-check: {failure}"
+        reasons.append(f"{kname}: {reason}")
+    raise ValueError("mla_decode: no kernel supports this call: " + "; ".join(reasons))

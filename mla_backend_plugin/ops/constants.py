@@ -21,7 +21,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 # launch order, longest first, so a CTA's index is not its slot).
 WORK_ITEM_INTS = 9
 # A request's fixed cost on the share plan's line, in KV tiles (its Q load, epilogue and stores): a share boundary
-# that falls in it moves the whole request to the next share (ops/workspace.py ``share_schedule``; the CPU model
+# that falls in it moves the whole request to the next share (ops/plan.py ``share_schedule``; the CPU model
 # of benchmarks/model_schedules.py puts a CTA's fixed cost at 1.5 tiles).
 SHARE_REQUEST_COST = 2
 

@@ -3,12 +3,11 @@
 ``KERNELS`` holds every kernel family's manifest (``kernels/<family>/__init__.py`` exports ``MANIFEST``, or
 ``MANIFESTS`` when one adapter serves several kernels; the folders are found by walking ``kernels/`` on first
 use, so a new family is one folder plus its entry in ``AUTO_ORDER``). ``AUTO_ORDER`` says, per
-compute-capability major version, which kernels ``kernel="auto"`` tries, best first. A kernel is picked only
-when it supports the GPU and the call's shapes and dtypes; otherwise the next one is tried. On an architecture
-outside a kernel's ``verified_archs`` (where our GPU test suite has not run it), the kernel must first pass a
-self-check against the reference (ops/selfcheck.py); one that fails is skipped with a warning. ``AUTO_ORDER``
-is the static choice: the autotuner (ops/autotune.py) replaces it per shape when it has timed the candidates
-on this GPU.
+compute-capability major version, which kernels ``kernel="auto"`` tries, best first: the static choice
+(``api.select_kernel`` takes the first that supports the call and passes its first-use self-check,
+ops/selfcheck.py); the autotuner replaces it per shape when it has timed the candidates on this GPU
+(``candidate_kernels``: what it times; ops/tuned.py: what it chose). ``kernels_for_device``, ``plan_rows_for``
+and ``scratch_for`` say what a workspace made for a device must serve.
 
 Importing this module imports no kernel family: ``KERNELS`` loads the manifests (cheap ``__init__`` modules)
 the first time it is read.
@@ -17,20 +16,12 @@ the first time it is read.
 from __future__ import annotations
 
 import importlib
-import logging
 import pkgutil
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
-import torch
-
+from mla_backend_plugin import envs
 from mla_backend_plugin.ops.arch import arch_for_cc, device_capability, device_smem_per_block
-from mla_backend_plugin.ops.manifest import KernelManifest, LaunchConfig
-
-logger = logging.getLogger("mla_backend_plugin")
-
-# Kept for callers that name the manifest by its old role.
-KernelSpec = KernelManifest
+from mla_backend_plugin.ops.manifest import KernelManifest
 
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
@@ -96,12 +87,28 @@ class _Manifests(Mapping):
 
 KERNELS: Mapping[str, KernelManifest] = _Manifests()
 
-_WARNED: set[tuple[str, str]] = set()
-_ANNOUNCED: set[tuple[str, str]] = set()
-
 
 def available_kernels() -> tuple[str, ...]:
     return tuple(KERNELS)
+
+
+def candidate_kernels(cc, wanted: Iterable[str] | None = None) -> list[str]:
+    """The kernels the tuner times on compute capability ``cc``: the arch's AUTO_ORDER, then FlashInfer's
+    trtllm-gen on SM100/103; ``CUTE_MLA_CANDIDATES=a,b`` (or ``wanted``) replaces that list, ``+c`` entries add
+    to it."""
+    if cc is None:
+        return []
+    default = list(AUTO_ORDER.get(cc[0], ()))
+    if cc[0] == 10:
+        default.append("flashinfer_trtllm")
+    wanted = tuple(envs.CUTE_MLA_CANDIDATES if wanted is None else wanted)
+    replace = [n for n in wanted if not n.startswith("+")]
+    names = (replace or default) + [n[1:] for n in wanted if n.startswith("+")]
+    for name in names:
+        if name not in KERNELS or name == "reference":
+            allowed = ", ".join(k for k in KERNELS if k != "reference")
+            raise ValueError(f"CUTE_MLA_CANDIDATES: unknown kernel {name!r}; allowed: {allowed}")
+    return list(dict.fromkeys(names))
 
 
 def kernels_for_device(device) -> tuple[str, ...]:
@@ -111,8 +118,6 @@ def kernels_for_device(device) -> tuple[str, ...]:
     cc = device_capability(device)
     if cc is None:
         return tuple(KERNELS)
-    from mla_backend_plugin.ops.autotune import candidate_kernels
-
     arch = arch_for_cc(cc)
     names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if arch and arch.name in m.archs)
     return tuple(dict.fromkeys(names + tuple(candidate_kernels(cc))))
@@ -140,25 +145,6 @@ def scratch_for(device, max_batch: int, max_q_len: int, num_heads: int, num_sms:
     return need
 
 
-def self_check_failure(spec: KernelManifest, device: torch.device, cc: tuple[int, int] | None) -> str | None:
-    """None when ``spec`` may run on this device; else why its first-use self-check failed."""
-    from mla_backend_plugin.ops.selfcheck import self_check, self_check_mode
-
-    mode = self_check_mode()
-    verified = spec.verified_archs is None or (cc is not None and cc in spec.verified_archs)
-    if mode == "never" or (verified and mode != "always"):
-        return None
-    return self_check(spec, device)
-
-
-def _announce(spec: KernelManifest, device, cc) -> None:
-    key = (spec.name, str(device))
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        where = f"compute capability {cc[0]}.{cc[1]}" if cc else str(device)
-        logger.info("mla_decode: kernel %r on %s (%s)", spec.name, device, where)
-
-
 def unsupported_reason(spec: KernelManifest, args, cc) -> str | None:
     """Why ``spec`` cannot run this call: what the registry checks for every family, then the family's own
     ``unsupported_reason``."""
@@ -167,54 +153,5 @@ def unsupported_reason(spec: KernelManifest, args, cc) -> str | None:
     return spec.unsupported_reason(args, cc)
 
 
-def select_kernel(args, name: str = "auto", self_check: bool = True) -> KernelManifest:
-    """The kernel ``name`` (checked to support the call) or, for ``"auto"``, the first of the arch's AUTO_ORDER
-    that supports it and passes its self-check. ``self_check=False``: no self-check run and nothing announced
-    (a guess of what a later call will run, for prebuilding)."""
-    cc = device_capability(args.q_nope.device)
-    if name != "auto":
-        spec = KERNELS.get(name)
-        if spec is None:
-            raise ValueError(f"mla_decode: kernel: unknown kernel {name!r}; allowed: 'auto', "
-                             + ", ".join(repr(k) for k in KERNELS))
-        reason = unsupported_reason(spec, args, cc)
-        if reason is not None:
-            raise ValueError(f"mla_decode: kernel: {name!r} cannot run this call: {reason}")
-        if not self_check:
-            return spec
-        failure = self_check_failure(spec, args.q_nope.device, cc)
-        if failure is not None:
-            raise RuntimeError(f"mla_decode: kernel {name!r} failed its self-check on compute capability "
-                               f"{cc}: {failure}")
-        _announce(spec, args.q_nope.device, cc)
-        return spec
-    if cc is None:
-        raise ValueError(f"mla_decode: q: kernels need a CUDA device, got {args.q_nope.device} "
-                         "(kernel='reference' runs anywhere)")
-    order = AUTO_ORDER.get(cc[0])
-    if order is None:
-        raise ValueError(f"mla_decode: device: compute capability {cc[0]}.{cc[1]} has no decode kernel; "
-                         f"supported majors: {sorted(AUTO_ORDER)}")
-    reasons = []
-    for kname in order:
-        spec = KERNELS[kname]
-        reason = unsupported_reason(spec, args, cc)
-        if reason is None and not self_check:
-            return spec
-        if reason is None:
-            failure = self_check_failure(spec, args.q_nope.device, cc)
-            if failure is None:
-                _announce(spec, args.q_nope.device, cc)
-                return spec
-            if (kname, str(args.q_nope.device)) not in _WARNED:  # once per kernel and device
-                _WARNED.add((kname, str(args.q_nope.device)))
-                warnings.warn(f"mla_decode: kernel {kname!r} failed its self-check on compute capability {cc} "
-                              f"and is skipped: {failure}", RuntimeWarning, stacklevel=3)
-            reason = f"failed its self-check: {failure}"
-        reasons.append(f"{kname}: {reason}")
-    raise ValueError("mla_decode: no kernel supports this call: " + "; ".join(reasons))
-
-
-__all__ = ["AUTO_ORDER", "KERNELS", "KernelManifest", "KernelSpec", "LaunchConfig", "available_kernels",
-           "device_capability", "kernels_for_device", "plan_rows_for", "scratch_for", "select_kernel",
-           "self_check_failure", "unsupported_reason"]
+__all__ = ["AUTO_ORDER", "KERNELS", "available_kernels", "candidate_kernels", "device_capability",
+           "kernels_for_device", "plan_rows_for", "scratch_for", "unsupported_reason"]

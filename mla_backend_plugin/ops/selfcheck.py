@@ -1,11 +1,12 @@
-"""First-use self-check of a kernel on an architecture where it was never verified on hardware.
+"""First-use self-check of a kernel on an architecture where it was never verified on hardware, and the gate
+every kernel choice passes (``self_check_failure``).
 
 Our GPU test suite runs on Hopper only. A kernel compiled for another architecture (SM80/89, SM100, SM120)
 is therefore checked, the first time it is about to run on such a GPU, against the float32 reference on a few
 small random decode problems (paged, ragged, q_len > 1, NaN in the slots no request may read, fp8 with a
-non-unit scale where supported), with the inputs and tolerances the test suite uses
-(mla_backend_plugin.testing). The result is cached per (kernel, device) for the life of the process;
-ops/registry.py skips a kernel that fails.
+non-unit scale where supported), with the inputs and tolerances the test suite uses (ops/inputs.py,
+ops/tolerances.py). The result is cached per (kernel, device) for the life of the process; the arch table's
+choice (``api.select_kernel``), the tuned table (ops/tuned.py) and the tuner skip a kernel that fails.
 
 ``CUTE_MLA_SELF_CHECK=always`` checks on verified architectures too; ``=never`` disables the check.
 """
@@ -15,7 +16,12 @@ from __future__ import annotations
 import torch
 
 from mla_backend_plugin import envs
+from mla_backend_plugin.ops import registry
+from mla_backend_plugin.ops.args import prepare_args
 from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.ops.inputs import make_decode_inputs
+from mla_backend_plugin.ops.tolerances import compare_decode
+from mla_backend_plugin.ops.workspace import MLAWorkspace
 
 SELF_CHECK_ENV_VAR = "CUTE_MLA_SELF_CHECK"
 
@@ -38,12 +44,7 @@ def self_check_mode() -> str:
 
 def run_self_check(spec, device: torch.device) -> str | None:
     """Run ``spec`` on the self-check cases; None when every output matches the reference, else the reason."""
-    from mla_backend_plugin.ops.api import prepare_args
-    from mla_backend_plugin.ops.registry import device_capability
-    from mla_backend_plugin.ops.workspace import MLAWorkspace
-    from mla_backend_plugin.testing import compare_decode, make_decode_inputs
-
-    cc = device_capability(device)
+    cc = registry.device_capability(device)
     for i, (num_heads, q_len, block_size, kv_dtype, kv_scale, q_form, seq_lens) in enumerate(_CASES):
         inputs = make_decode_inputs(len(seq_lens), list(seq_lens), q_len, num_heads, block_size, kv_dtype, q_form,
                                     device, seed=1234 + i, kv_scale=kv_scale, poison="nan",
@@ -69,6 +70,16 @@ def run_self_check(spec, device: torch.device) -> str | None:
                      + (", fp8 q" if q_form == "fp8" else ""))
             return f"{label}: {result.problems[0]}"
     return None
+
+
+def self_check_failure(spec, device: torch.device, cc: tuple[int, int] | None) -> str | None:
+    """None when ``spec`` may run on this device; else why its first-use self-check failed (``self_check`` on an
+    arch outside the kernel's ``verified_archs``, or on every arch with ``CUTE_MLA_SELF_CHECK=always``)."""
+    mode = self_check_mode()
+    verified = spec.verified_archs is None or (cc is not None and cc in spec.verified_archs)
+    if mode == "never" or (verified and mode != "always"):
+        return None
+    return self_check(spec, device)
 
 
 def self_check(spec, device: torch.device) -> str | None:

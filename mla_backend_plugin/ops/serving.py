@@ -3,22 +3,22 @@
 What every engine's MLA decode backend needs from us, apart from the engine's own classes: the supported
 settings and the words that refuse the others, the workspace sized from the engine's limits (allocated once,
 before CUDA-graph capture), the cache and scale forms the kernels take, the decode call that returns views
-of the workspace's output buffers (no allocation per step), and the autotuner's warm-up (``DeploymentTuning``:
-the engine's decode shapes, prepared on the first decode call not being captured).
+of the workspace's output buffers (no allocation per step, no warm-up work: ``DecodeRunner``), and the
+autotuner's warm-up (``DeploymentTuning``: the engine's decode shapes, prepared by the engine's metadata builder
+on its first build outside CUDA-graph capture; ``prebuild_kernels``: background compiles at model construction).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from mla_backend_plugin import BACKEND_NAME, envs
-from mla_backend_plugin.ops import autotune
+from mla_backend_plugin.ops import autotune, tuned
 from mla_backend_plugin.ops.api import mla_decode
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
@@ -31,7 +31,8 @@ from mla_backend_plugin.ops.constants import (
     SUPPORTED_NUM_HEADS,
     dtype_names,
 )
-from mla_backend_plugin.ops.workspace import SPLIT_CAPACITY, MLAWorkspace, StepPlans
+from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
+from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -232,13 +233,6 @@ def check_attention_features(alibi_slopes=None, sliding_window=None, logits_soft
                                   "logits_soft_cap")
 
 
-def check_block_size(block_size: int) -> None:
-    """For engines that pass the page size straight to the kernel (SGLang); vLLM splits its blocks."""
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"{BACKEND_NAME}: page size {block_size} is not supported; allowed: "
-                         f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
-
-
 def unsupported_reasons(*, head_size=None, dtype=None, kv_cache_dtype=None, block_size=None,
                         compute_capability=None, sparse=None) -> dict[str, str]:
     """The refusal of each setting, naming the value and what is allowed (keyed like vLLM's generic reasons,
@@ -310,7 +304,7 @@ def make_deployment(*, num_heads: int, max_num_seqs: int, num_speculative_tokens
     to ``max_num_seqs``) as request counts, and its context profile (``CUTE_MLA_TUNE_SEQ_LENS``, else
     ``max_model_len``). ``tensor_scales``: the engine passes fp8 scales as device tensors (vLLM does)."""
     q_len = max_decode_q_len(num_speculative_tokens)
-    model = autotune.DTYPE_NAMES[model_dtype]
+    model = tuned.DTYPE_NAMES[model_dtype]
     kv = "fp8" if kv_cache_dtype.startswith("fp8") else model
     q = "fp8" if kv == "fp8" and fp8_query else model
     if capture_sizes:
@@ -351,12 +345,12 @@ def prebuild_kernels(deployment: autotune.Deployment, device, kernel: str = "aut
 
 
 class DeploymentTuning:
-    """The autotuner's part of an engine's warm-up: ``run_once`` (on every decode call; it acts once) sets the
-    deployment's context profile, installs the tuning cache's results for its shapes and, with
-    ``CUTE_MLA_AUTOTUNE=1``, times the missing ones within ``CUTE_MLA_AUTOTUNE_BUDGET_S`` - on the first decode
-    call that is not being captured into a CUDA graph. vLLM makes that call eagerly before it captures any graph
-    (its warm-up runs of each size), so every graph captures a tuned or cached choice; in eager mode it is the
-    first decode step."""
+    """The autotuner's part of an engine's warm-up: ``run_once`` sets the deployment's context profile, installs
+    the tuning cache's results for its shapes and, with ``CUTE_MLA_AUTOTUNE=1``, times the missing ones within
+    ``CUTE_MLA_AUTOTUNE_BUDGET_S``. The engine's metadata builder calls it on every build (it acts once, on the
+    first build outside CUDA-graph capture): vLLM and SGLang build the metadata of their eager warm-up runs of
+    each graph size before capturing it, so every graph captures a tuned or cached choice, and the decode calls
+    themselves (and graph replays) do no warm-up work; in eager mode it is the first decode step's build."""
 
     def __init__(self, deployment: autotune.Deployment, *, tune: bool | None = None, budget_s: float | None = None,
                  host_lengths: bool = True):
@@ -368,12 +362,17 @@ class DeploymentTuning:
         self.budget_s = envs.CUTE_MLA_AUTOTUNE_BUDGET_S if budget_s is None else budget_s
         self.report: dict | None = None
 
+    def choice_seq_len(self, max_seq_len: int | None) -> int | None:
+        """What a decode call may pick its tuned choice by (``mla_decode``'s ``max_seq_len``): the step's longest
+        length, known on the host, for an eager engine; None under full CUDA graphs (``host_lengths=False``)."""
+        return max_seq_len if self.host_lengths else None
+
     def run_once(self, device) -> None:
         if self.report is not None:
             return
         device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # timing needs synchronisation; the next eager call does it
+            return  # timing needs synchronisation; the next build outside capture does it
         self.report = {}
         try:
             self.report = autotune.prepare_deployment(self.deployment, device, tune=self.tune, budget_s=self.budget_s)
@@ -384,30 +383,28 @@ class DeploymentTuning:
 
 class DecodeRunner:
     """One layer's decode: which kernel (``CUTE_MLA_KERNEL``, read once), the cache dtype, the softmax scale;
-    ``decode`` writes into the workspace's output buffers and returns views of them."""
+    ``decode`` writes into the workspace's output buffers and returns views of them. ``check``: a debugging hook
+    called with every decode call made outside CUDA-graph capture and its outputs (``check(q, kv_cache,
+    block_table, seq_lens, softmax_scale, out, lse, q_scale=, kv_scale=, row_kv_lens=, query_lens=)``; the
+    engines pass ``testing.reference_check.engine_check()``, the float32 reference under ``CUTE_MLA_CHECK_DIR``)."""
 
-    def __init__(self, softmax_scale: float, kv_cache_dtype: str):
+    def __init__(self, softmax_scale: float, kv_cache_dtype: str, check: Callable[..., None] | None = None):
         self.softmax_scale = float(softmax_scale)
         self.kv_cache_dtype = kv_cache_dtype
         self.is_fp8_kv_cache = kv_cache_dtype.startswith("fp8")
         self.kernel = envs.CUTE_MLA_KERNEL
-        self.check_dir = envs.CUTE_MLA_CHECK_DIR  # read once: decode runs per layer and step
+        self.check = check
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
-               tuning: DeploymentTuning | None = None, row_kv_lens: torch.Tensor | None = None,
-               token_requests: TokenRequests | None = None,
+               row_kv_lens: torch.Tensor | None = None, token_requests: TokenRequests | None = None,
                step: StepPlans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``max_seq_len``: the step's longest KV length when the engine knows it on the host (picks the tuned
-        choice of its bucket in eager steps; ignored under graph capture). ``tuning``: the warm-up hook.
+        """``max_seq_len``: the step's longest KV length when the engine knows it on the host and may pick the
+        tuned choice of its bucket by it (``DeploymentTuning.choice_seq_len``; ignored under graph capture).
         ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``). ``token_requests``:
         a step of mixed q_lens recast by ``token_requests`` (what is launched; ``block_table`` and ``seq_lens``
         stay the step's own, per request). q and the returned outputs are in token order either way. ``step``: the
         decode step's ``StepPlans``, shared by its layers (mla_decode's ``step``)."""
-        if tuning is not None:
-            tuning.run_once(workspace.device)
-            if not tuning.host_lengths:
-                max_seq_len = None
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
         q_scale = dequant_scale(q_scale) if q_is_fp8 else None
@@ -419,11 +416,11 @@ class DecodeRunner:
             tr = token_requests
             out, lse = tr.scatter(*self._launch(tr.gather_q(q), cache, tr.block_table, tr.seq_lens, tr.row_kv_lens,
                                                 workspace, **scales))
-        if self.check_dir and not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            record = reference_check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse,
-                                     q_scale=q_scale, kv_scale=kv_scale, row_kv_lens=row_kv_lens,
-                                     query_lens=token_requests.query_lens if token_requests is not None else None)
-            append_check_record(self.check_dir, record)
+        if self.check is not None and not (workspace.device.type == "cuda"
+                                           and torch.cuda.is_current_stream_capturing()):
+            self.check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse, q_scale=q_scale,
+                       kv_scale=kv_scale, row_kv_lens=row_kv_lens,
+                       query_lens=token_requests.query_lens if token_requests is not None else None)
         return out, lse
 
     def _launch(self, q, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -464,74 +461,3 @@ class DecodeRunner:
 def _rows(q, part: slice):
     """Query tokens ``part`` of q in either form (a tensor or the (q_nope, q_pe) pair)."""
     return tuple(t[part] for t in q) if isinstance(q, (tuple, list)) else q[part]
-
-
-def reference_check(q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *, q_scale=None, kv_scale=None,
-                    row_kv_lens: torch.Tensor | None = None, query_lens: list[int] | None = None) -> dict:
-    """One decode call recomputed with the float32 reference on the very inputs the engine passed: the
-    relative error of the output (Frobenius), the largest LSE error where the reference LSE is finite, and
-    whether the infinite LSEs (rows with no key) agree. Plus what the call was (q_len, dtypes, heads, longest
-    length), so a test can check which paths an engine exercised. Summed across calls by
-    ``merge_check_records``. ``query_lens``: a step of mixed q_lens (request b's tokens follow request b - 1's;
-    tokens past them are padding and not compared): each request's q block is recomputed on its own, so what is
-    checked does not depend on how the step was launched (``TokenRequests``)."""
-    from mla_backend_plugin.kernels.reference import mla_decode_reference
-
-    q_nope, q_pe = q if isinstance(q, (tuple, list)) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
-    kwargs = dict(q_scale=q_scale, kv_scale=kv_scale)
-    if query_lens is None:
-        q_len = q_nope.shape[0] // block_table.shape[0]
-        q_lens = {str(q_len): 1}
-        ref_out, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, q_len, softmax_scale,
-                                                row_kv_lens=row_kv_lens, **kwargs)
-    else:
-        parts, start = [], 0
-        for b, n in enumerate(query_lens):
-            if n:
-                parts.append(mla_decode_reference(q_nope[start:start + n], q_pe[start:start + n], kv_cache,
-                                                  block_table[b:b + 1], seq_lens[b:b + 1], n, softmax_scale, **kwargs))
-            start += n
-        ref_out, ref_lse = (torch.cat([p[i] for p in parts]) for i in range(2))
-        out, lse = out[:start], lse[:start]
-        q_lens = {"mixed": 1}
-    rel = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
-    finite = torch.isfinite(ref_lse)
-    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-    return {"calls": 1, "q_lens": q_lens, "max_rel_err": rel, "max_lse_err": lse_err,
-            "lse_inf_mismatch": int(not torch.equal(torch.isinf(lse), ~finite)),
-            "q_dtypes": {str(q_nope.dtype): 1}, "kv_dtypes": {str(kv_cache.dtype): 1},
-            "block_sizes": {str(kv_cache.shape[1]): 1}, "max_seq_len": int(seq_lens.max().item()),
-            "heads": {str(q_nope.shape[1]): 1}, "row_kv_lens_calls": int(row_kv_lens is not None),
-            "token_request_calls": int(query_lens is not None)}
-
-
-def append_check_record(check_dir: str, record: dict) -> None:
-    os.makedirs(check_dir, exist_ok=True)
-    with open(os.path.join(check_dir, f"{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def merge_check_records(total: dict, record: dict) -> dict:
-    """Sum ``reference_check`` records: counts add, per-value tallies add, ``max_*`` take the maximum."""
-    for key, value in record.items():
-        if isinstance(value, dict):
-            tally = total.setdefault(key, {})
-            for k, n in value.items():
-                tally[k] = tally.get(k, 0) + n
-        elif key.startswith("max_"):
-            total[key] = max(total.get(key, value), value)
-        else:
-            total[key] = total.get(key, 0) + value
-    return total
-
-
-def read_check_records(check_dir: str) -> dict:
-    """Every record the processes of a run appended under ``check_dir``, summed (plus ``processes``)."""
-    total: dict = {"calls": 0, "processes": 0}
-    for name in sorted(os.listdir(check_dir)) if os.path.isdir(check_dir) else ():
-        with open(os.path.join(check_dir, name)) as f:
-            for line in f:
-                merge_check_records(total, json.loads(line))
-        total["processes"] += 1
-    return total

@@ -1,13 +1,23 @@
-"""What tests, benchmarks, the self-check and the tuner share to check and time kernels.
+"""What tests and benchmarks share to check and time kernels: the shelf beside the floors (ops/ never imports it).
 
-* ``inputs``: the adversarial decode-input generator (``make_decode_inputs``, ``DecodeInputs``);
-* ``tolerances``: the one tolerance table and comparison against the float32 reference;
+* the adversarial decode-input generator (``make_decode_inputs``, ``DecodeInputs``: ops/inputs.py), the one
+  tolerance table and comparison against the float32 reference (ops/tolerances.py) and the timing core
+  (ops/timing.py): the self-check and the tuner need them below this layer, so they live in ops/ and are
+  re-exported here; ``inputs``: ragged lengths (``draw_seq_lens``); ``tolerances``: ``assert_close_decode``;
 * ``kernels``: which registry kernels can run here (per-kernel tests); NaN in the serving runner's outputs;
-* the timing core is ``mla_backend_plugin.ops.timing`` (the tuner needs it below this layer); re-exported here.
-
-Nothing here is imported by the kernel API at import time.
+* ``reference_check``: an engine's decode calls recomputed with the reference (``CUTE_MLA_CHECK_DIR``);
+* ``schedule_model``: the CPU model of a split plan's step time; ``dcp``: decode context parallelism simulated.
 """
 
+from mla_backend_plugin.ops.inputs import (
+    FP8_MAX,
+    POISON_16BIT,
+    POISON_FP8,
+    SOFTMAX_SCALE,
+    DecodeInputs,
+    make_decode_inputs,
+    quantize_fp8,
+)
 from mla_backend_plugin.ops.timing import (
     Timing,
     calls_per_graph_for,
@@ -17,29 +27,14 @@ from mla_backend_plugin.ops.timing import (
     measure_hbm_bytes_per_s,
     time_graphs,
 )
-from mla_backend_plugin.testing.inputs import (
-    FP8_MAX,
-    POISON_16BIT,
-    POISON_FP8,
-    SOFTMAX_SCALE,
-    DecodeInputs,
-    draw_seq_lens,
-    make_decode_inputs,
-    quantize_fp8,
-)
+from mla_backend_plugin.ops.tolerances import TOLERANCES, Comparison, Tolerance, compare_decode, tolerance_for
+from mla_backend_plugin.testing.inputs import draw_seq_lens
 from mla_backend_plugin.testing.kernels import (
     kernel_unsupported_reason,
     poison_runner_outputs,
     select_kernel_for_test,
 )
-from mla_backend_plugin.testing.tolerances import (
-    TOLERANCES,
-    Comparison,
-    Tolerance,
-    assert_close_decode,
-    compare_decode,
-    tolerance_for,
-)
+from mla_backend_plugin.testing.tolerances import assert_close_decode
 
 __all__ = [
     "FP8_MAX", "POISON_16BIT", "POISON_FP8", "SOFTMAX_SCALE", "TOLERANCES", "Comparison", "DecodeInputs",

@@ -25,7 +25,7 @@ import math
 import torch
 
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.testing.inputs import DecodeInputs, make_decode_inputs
+from mla_backend_plugin.ops.inputs import DecodeInputs, make_decode_inputs
 
 
 def rank_of(pos: int, world: int, interleave: int) -> int:

@@ -17,6 +17,7 @@ from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import serving
 from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
 from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.testing.reference_check import engine_check
 from mla_backend_plugin.vllm import compat  # every vLLM class this module builds on, version-resolved
 
 
@@ -24,7 +25,6 @@ from mla_backend_plugin.vllm import compat  # every vLLM class this module build
 class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     workspace: MLAWorkspace | None = None
     max_seq_len: int | None = None  # host-known longest length of the step (the tuned choice's bucket, eager)
-    tuning: serving.DeploymentTuning | None = None
     # decode context parallelism with q_len > 1: [B, q_len] keys of this rank's shard each query row sees (a
     # view of the builder's persistent buffer); None otherwise (seq_lens alone gives every row's limit)
     row_kv_lens: torch.Tensor | None = None
@@ -75,7 +75,8 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             out_dtype=vllm_config.model_config.dtype,
             token_requests=self.reorder_batch_threshold > serving.max_decode_q_len(num_spec))
         # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
-        # CUTE_MLA_AUTOTUNE=1 tuned) on the first eager decode call, which vLLM makes before capturing graphs.
+        # CUTE_MLA_AUTOTUNE=1 tuned) on the first build outside capture (_build_decode), before any decode call:
+        # vLLM builds the metadata of its eager warm-up runs before capturing graphs.
         # With full decode graphs the choice must not follow the step's lengths: vLLM's eager warm-up of each
         # graph size then compiles exactly what the capture runs.
         self.tuning = serving.DeploymentTuning(deployment_for(vllm_config, self.workspace.num_heads,
@@ -97,6 +98,7 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
+        self.tuning.run_once(self.workspace.device)  # acts once
         dcp_tot_seq_lens = compat.dcp_tot_seq_lens(kwargs)
         if self.dcp_world_size == 1:
             num_tokens = kwargs["num_decode_tokens"]
@@ -110,11 +112,12 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                     num_tokens, q_len=serving.token_request_q_len(self.workspace.num_heads),
                     max_seq_len=max_seq_len, block_size=self.page_size)
                 return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
-                                             dcp_tot_seq_lens=None, workspace=self.workspace, max_seq_len=max_seq_len,
-                                             tuning=self.tuning, token_requests=token_requests)
+                                             dcp_tot_seq_lens=None, workspace=self.workspace,
+                                             max_seq_len=self.tuning.choice_seq_len(max_seq_len),
+                                             token_requests=token_requests)
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens, workspace=self.workspace,
-                                     max_seq_len=compat.decode_max_seq_len(kwargs), tuning=self.tuning,
+                                     max_seq_len=self.tuning.choice_seq_len(compat.decode_max_seq_len(kwargs)),
                                      row_kv_lens=self._row_kv_lens(dcp_tot_seq_lens, seq_lens_device.shape[0],
                                                                    kwargs))
 
@@ -199,7 +202,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (serving.fp8_query: on Hopper by
         # default, where cute_sm90 runs it fastest; otherwise the kernels widen or split the model-dtype q)
         self.supports_quant_query_input = engine_fp8_query()
-        self.runner = serving.DecodeRunner(scale, kv_cache_dtype)
+        self.runner = serving.DecodeRunner(scale, kv_cache_dtype, check=engine_check())
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: CuteMLAMetadata, layer):
         decode = attn_metadata.decode
@@ -208,7 +211,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         # DCP, seq_lens are this rank's local lengths and vLLM merges the ranks' outputs with the returned LSE.
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
                                   q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
-                                  tuning=decode.tuning, row_kv_lens=decode.row_kv_lens,
+                                  row_kv_lens=decode.row_kv_lens,
                                   token_requests=decode.token_requests, step=decode.step)
 
 

@@ -49,6 +49,7 @@ import warnings
 from pathlib import Path
 
 from mla_backend_plugin import envs
+from mla_backend_plugin.ops.files import fingerprint
 
 CACHE_ENV_VAR = "CUTE_MLA_CUTE_CACHE"
 META_NAME = "meta.json"
@@ -105,19 +106,6 @@ def dsl_importable() -> bool:
         return importlib.util.find_spec("cutlass") is not None
     except (ImportError, ValueError):
         return False
-
-
-def fingerprint(sources) -> str:
-    """sha256 over every ``.py`` file under ``sources`` (folders, or single files; relative path and bytes, in
-    sorted order)."""
-    h = hashlib.sha256()
-    for d in sources:
-        d = Path(d)
-        files = [d] if d.is_file() else sorted(p for p in d.rglob("*.py") if "__pycache__" not in p.parts)
-        for path in files:
-            rel = d.name if path == d else f"{d.name}/{path.relative_to(d).as_posix()}"
-            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def _series(version: str) -> tuple[str, ...]:

@@ -13,7 +13,6 @@ then ``/usr/local/cuda/bin/nvcc``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from mla_backend_plugin import envs
 from mla_backend_plugin.kernels.xqa_sm120 import MANIFEST
+from mla_backend_plugin.ops.files import fingerprint
 from mla_backend_plugin.ops.manifest import VariantResult
 
 # architecture name -> nvcc -gencode argument ('a' targets: SM120/121 and SM90 features are arch-specific),
@@ -134,13 +134,10 @@ def _sources(src: Path) -> list[Path]:
 
 
 def cache_key(arch: str, nvcc: str, flags: tuple[str, ...] = NVCC_FLAGS) -> str:
-    """Hash of every source file, the nvcc version, the architecture and the flags."""
-    h = hashlib.sha256()
-    for path in _sources(source_dir()):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(nvcc_version(nvcc).encode() + b"\0" + ARCHS[check_arch(arch)].encode() + b"\0")
-    h.update(" ".join(flags).encode())
-    return h.hexdigest()[:20]
+    """Fingerprint of every source file, the nvcc version, the architecture and the flags."""
+    toolchain = (nvcc_version(nvcc).encode() + b"\0" + ARCHS[check_arch(arch)].encode() + b"\0"
+                 + " ".join(flags).encode())
+    return fingerprint(_sources(source_dir()), extra=toolchain)[:20]
 
 
 @dataclasses.dataclass
