@@ -1,5 +1,6 @@
 """CI: the release wheel carries every CuTe-DSL serving variant of the archs it was packaged for, PDL on and off,
-each entry complete (library + meta.json) and matching the sources it was built from.
+each entry complete (library + meta.json) and matching the sources it was built from, and no eval data (the eval
+model under evals/model/ and any .safetensors weights stay in the source tree: setup.cfg).
 
     python .ci/check_wheel.py dist/mla_backend_plugin-*.whl sm_90a sm_100a sm_103a
 """
@@ -14,6 +15,12 @@ from mla_backend_plugin.kernels.cute_common.aot import SHARED_RUNTIME
 from mla_backend_plugin.ops.registry import KERNELS
 
 PREFIX = "mla_backend_plugin/kernels/prebuilt/"
+EVAL_MODEL = "mla_backend_plugin/evals/model/"
+
+
+def eval_data(names) -> list[str]:
+    """The wheel entries that are eval data: anything under the eval model's directory, or weights anywhere."""
+    return sorted(n for n in names if n.startswith(EVAL_MODEL) or n.endswith(".safetensors"))
 
 
 def main(wheel: str, archs: list[str]) -> int:
@@ -28,6 +35,10 @@ def main(wheel: str, archs: list[str]) -> int:
         metas = {n[len(PREFIX):].split("/")[0]: json.loads(z.read(n)) for n in names
                  if n.startswith(PREFIX) and n.endswith("/meta.json")}
     problems, found = [], 0
+    evals = eval_data(names)
+    if evals:
+        problems.append(f"eval data in a serving wheel ({len(evals)} file(s): {', '.join(evals[:4])}); "
+                        "setup.cfg keeps evals/model/ out")
     for arch in archs:
         for family, (build, aot) in families.items():
             if arch not in KERNELS[family].archs:
@@ -44,7 +55,7 @@ def main(wheel: str, archs: list[str]) -> int:
                     found += 1
     size = sum(i.file_size for i in zipfile.ZipFile(wheel).infolist() if i.filename.startswith(PREFIX))
     print(f"{wheel}: {found} packaged variants for {', '.join(archs)} ({size / 2**20:.1f} MiB unpacked); "
-          f"{len(problems)} problem(s)")
+          f"{len(evals)} eval data file(s); {len(problems)} problem(s)")
     for p in problems[:20]:
         print("  " + p)
     return 1 if problems else 0

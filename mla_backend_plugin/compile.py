@@ -3,11 +3,13 @@
     python -m mla_backend_plugin.compile --arch sm_90a
     python -m mla_backend_plugin.compile --arch sm_120a --kernels triton
     python -m mla_backend_plugin.compile --arch sm_90a --kernels cute_sm90 --into-package   # then build the wheel
+    python -m mla_backend_plugin.compile --arch sm_100a --kernels cute_sm100 --one-per-class   # another DSL version
 
 Builds every kernel family whose manifest (``kernels/<family>/__init__.py``) lists the arch, through the
 family's own ``compile_variants``, which also runs its SASS checks (matrix instructions, TMA, spills). Prints
 one row per variant (name, registers, shared memory, spill bytes, seconds) and exits non-zero if any variant
-fails. CI runs it for every architecture a kernel claims.
+fails. CI runs it for every architecture a kernel claims, and with ``--one-per-class`` (one variant of each
+kernel class, PDL on) against the newer CuTe-DSL release that later vLLM versions pin.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--into-package", action="store_true", help="export them into the package itself "
                         "(mla_backend_plugin/kernels/prebuilt, shipped by a wheel built afterwards: an engine "
                         "then loads them instead of compiling at its first start)")
+    parser.add_argument("--one-per-class", action="store_true", help="build one variant of each kernel class "
+                        "(the kernel it instantiates, its dtypes and specialisations; PDL on) instead of every "
+                        "variant: a check that another toolchain version compiles every class")
     args = parser.parse_args(argv)
     if args.into_package:
         if args.export_dir:
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.arch not in archs:
             print(f"{family}: not built for {args.arch} (built for {', '.join(archs)})")
             continue
-        for r in build(args.arch):
+        for r in build(args.arch, one_per_class=args.one_per_class):
             if r.ok:
                 print(f"{r.name:48s} {args.arch:8s} {r.registers or '?':>5} {r.shared_bytes:>8d} "
                       f"{r.spill_bytes if r.spill_bytes is not None else '?':>7} {r.seconds:6.1f}")

@@ -153,10 +153,10 @@ def test_packaged_entry_of_another_dsl_release_is_passed_over(packaged, tmp_path
 
 def test_a_wheel_carries_the_packaged_kernels(tmp_path):
     """setup.cfg's package data and setup.py's tag: a wheel built from a tree whose prebuilt folder holds an entry
-    ships it and is tagged for the platform."""
+    ships it and is tagged for the platform; the eval model in that tree stays out of it."""
     tree = tmp_path / "src"
     shutil.copytree(REPO / "mla_backend_plugin", tree / "mla_backend_plugin",
-                    ignore=shutil.ignore_patterns("__pycache__", "prebuilt", "*.safetensors"))
+                    ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
     for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy(REPO / name, tree / name)
     entry = tree / "mla_backend_plugin" / "kernels" / "prebuilt" / "cute_sm90-0123456789abcdef01234567"
@@ -173,3 +173,5 @@ def test_a_wheel_carries_the_packaged_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     prefix = "mla_backend_plugin/kernels/prebuilt/cute_sm90-0123456789abcdef01234567/"
     assert prefix + AOT.library_name in names and prefix + aot.META_NAME in names
+    assert (tree / "mla_backend_plugin" / "evals" / "model" / "model.safetensors").exists()
+    assert not [n for n in names if n.startswith("mla_backend_plugin/evals/model/")]

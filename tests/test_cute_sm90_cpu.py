@@ -174,6 +174,23 @@ def test_refuses_an_output_without_16_byte_aligned_rows():
     assert reason is not None and reason.startswith("out needs 16-byte aligned rows")
 
 
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+def test_one_per_class_instantiates_every_kernel_class(monkeypatch):
+    """build.kernel_class names the kernel launch.compile_variant instantiates: the one-per-class sample (CI's pass
+    against the newer CuTe-DSL) instantiates every kernel class that the whole build list does."""
+    import cutlass.cute as cute
+
+    from mla_backend_plugin.kernels.cute_sm90 import build
+    from mla_backend_plugin.ops.manifest import first_of_each_class
+
+    monkeypatch.setattr(cute, "compile", lambda op, *args, **kwargs: type(op).__name__)
+    kernel = {v: launch.compile_variant(v, arch="sm_90a") for v in build.builds()}
+    sample = first_of_each_class(build.builds(), build.kernel_class)
+    assert {kernel[v] for v in sample} == set(kernel.values()) and len(set(kernel.values())) == 5
+    for v in build.builds():  # one kernel class per key
+        assert kernel[v] == kernel[next(s for s in sample if build.kernel_class(s) == build.kernel_class(v))]
+
+
 def test_rejects_other_archs_at_build_time():
     from mla_backend_plugin.kernels.cute_sm90.build import compile_variants
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 from mla_backend_plugin.ops import KERNELS, LaunchConfig, PlanTile, mla_decode, prepare_args, registry
 from mla_backend_plugin.ops.arch import ARCHS
-from mla_backend_plugin.ops.manifest import COMBINES, KernelManifest, lazy
+from mla_backend_plugin.ops.manifest import COMBINES, KernelManifest, VariantResult, first_of_each_class, lazy
 from mla_backend_plugin.testing import make_decode_inputs
 
 
@@ -95,3 +96,55 @@ def test_mla_decode_launch_keywords():
             mla_decode(*inp.call_args(), config={"split_plan": "uniform"}, **kw)
     assert seen[0].fp8_design == "dequant" and not seen[0].enable_pdl
     assert seen[1] == LaunchConfig(split_plan="uniform", max_splits=8)
+
+
+def test_first_of_each_class_keeps_the_first_of_each_in_order():
+    assert first_of_each_class([3, 4, 5, 8, 10, 7, 6], lambda n: n % 3) == [3, 4, 5]
+    assert first_of_each_class([], lambda n: n) == []
+
+
+@pytest.mark.parametrize("family,arch", [("cute_sm90", "sm_90a"), ("cute_sm100", "sm_100a")])
+def test_compile_one_per_class_builds_one_of_each_cute_class_pdl_on(family, arch, monkeypatch, capsys):
+    """`compile --one-per-class` (CI's pass against the newer CuTe-DSL): the family's first variant of each kernel
+    class, PDL on only; without it every variant, PDL on and off."""
+    import importlib
+
+    from mla_backend_plugin import compile as compile_cli
+
+    build = importlib.import_module(f"mla_backend_plugin.kernels.{family}.build")
+    pools = []
+
+    def fake_pool(build_one, variants, arch, jobs, pdl_modes=(True, False)):
+        pools.append((list(variants), tuple(pdl_modes)))
+        return [VariantResult(v.name, True, 168, 0, 0, 0.0) for v in variants for _ in pdl_modes]
+
+    monkeypatch.setattr(build, "build_in_pool", fake_pool)
+    assert compile_cli.main(["--arch", arch, "--kernels", family, "--one-per-class"]) == 0
+    assert compile_cli.main(["--arch", arch, "--kernels", family]) == 0
+    (sample, sample_pdl), (every, every_pdl) = pools
+    assert sample_pdl == (True,) and every_pdl == (True, False) and every == build.builds()
+    classes = {build.kernel_class(v) for v in every}
+    assert len(sample) == len(classes) == len({build.kernel_class(v) for v in sample}) < len(every) / 2
+    assert all(v in every for v in sample)
+    assert "OK: 0 variant(s) failed" in capsys.readouterr().out
+
+
+def test_compile_one_per_class_builds_one_triton_kernel_per_signature(monkeypatch):
+    """Triton's sample: the first variant of each jit kernel and pointer signature (cache and partials dtypes)."""
+    from mla_backend_plugin.kernels.triton_decode import build
+
+    built = []
+
+    def fake_build(fn, pointers, constexprs, options, cc):
+        built.append((fn, tuple(sorted(pointers.items()))))
+        return types.SimpleNamespace(asm={"ptx": ""}, metadata=types.SimpleNamespace(shared=0))
+
+    monkeypatch.setattr(build, "build_triton", fake_build)
+    monkeypatch.setattr(build, "ptxas_report", lambda ptx, gpu: (32, 0))
+    every = build.compile_variants("sm_90a")
+    every_built, built[:] = list(built), []
+    sample = build.compile_variants("sm_90a", one_per_class=True)
+    assert all(r.ok for r in every + sample)
+    assert len(set(built)) == len(built) == len(set(every_built)) < len(every_built)
+    assert {fn for fn, _ in built} == {fn for fn, _ in every_built}
+    assert [r.name for r in sample] == [r.name for r in every if r.name in {s.name for s in sample}]

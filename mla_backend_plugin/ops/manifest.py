@@ -17,8 +17,10 @@ The kernel contract:
   which the workspace's split plan is computed with (so each family plans for its own grid);
 * ``combine``: who merges split-KV partials: ``"shared"`` (kernels/combine, in the layout of the config's
   split plan), ``"own"`` (the family's own kernel) or ``"none"`` (never splits);
-* ``compile_variants(arch) -> list[VariantResult]``: the ahead-of-time build of every variant for an arch,
-  with the family's SASS checks (``python -m mla_backend_plugin.compile``);
+* ``compile_variants(arch, one_per_class=False) -> list[VariantResult]``: the ahead-of-time build of every
+  variant for an arch, with the family's SASS checks (``python -m mla_backend_plugin.compile``); with
+  ``one_per_class`` one variant of each kernel class (``first_of_each_class`` below; PDL on): a check that
+  another toolchain version compiles every class, at a fraction of the cost;
 * ``scratch(cc, max_batch, max_q_len, num_heads, num_sms) -> (key, bytes) | None``: a zero-initialised device
   buffer the family needs in every workspace made for a device where it may run (FlashInfer: its semaphores and
   split-KV scratch); families that name the same key share one buffer (the largest asked for);
@@ -141,6 +143,17 @@ class VariantResult:
     spill_bytes: int | None = None
     seconds: float = 0.0
     error: str = ""
+
+
+def first_of_each_class(variants, kernel_class: Callable) -> list:
+    """The first of ``variants`` of each kernel class, in order. ``kernel_class(variant)`` names the kernel a
+    variant instantiates and the specialisations that switch its code paths (dtypes, per-row key counts); what
+    the others of a class vary are the sizes it is written over (head counts, q lengths, page sizes). CI compiles
+    every variant under the toolchain it ships with and one of each class under the newer one."""
+    first: dict = {}
+    for v in variants:
+        first.setdefault(kernel_class(v), v)
+    return list(first.values())
 
 
 def lazy(module: str, attr: str) -> Callable:

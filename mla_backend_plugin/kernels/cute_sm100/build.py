@@ -25,7 +25,7 @@ from mla_backend_plugin.kernels.cute_common import sass
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm100 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm100.config import Variant, shared_bytes
-from mla_backend_plugin.ops.manifest import VariantResult
+from mla_backend_plugin.ops.manifest import VariantResult, first_of_each_class
 
 # global and TMA loads (generic LD included: a generic load may read global memory)
 GLOBAL_LOAD = r"(?:LDG|LD|UTMALDG|LDGSTS|ATOMG|REDG)\b"
@@ -47,6 +47,12 @@ def serving_variants() -> list[Variant]:
 def builds() -> list[Variant]:
     """What the family exports and CI checks: its serving variants (the split kernels plan in-kernel here)."""
     return serving_variants()
+
+
+def kernel_class(variant: Variant) -> tuple:
+    """One kernel serves every variant; its MMA kind (kind::f16 or kind::f8f6f4) and Q path (one product, or a
+    16-bit q as e4m3 hi + lo) follow the dtypes."""
+    return variant.q_dtype, variant.kv_dtype
 
 
 def check_sass(variant: Variant, text: str, usage: dict, use_pdl: bool = True) -> list[str]:
@@ -96,8 +102,12 @@ def build_one(variant: Variant, arch: str, use_pdl: bool = True) -> VariantResul
 
 
 def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
-                     pdl_modes: tuple[bool, ...] = (True, False)):
-    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
+                     pdl_modes: tuple[bool, ...] = (True, False), one_per_class: bool = False):
+    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported.
+    ``one_per_class``: the first variant of each ``kernel_class``, PDL on only."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm100 is built for {MANIFEST.archs}, not {arch!r}")
-    return build_in_pool(build_one, builds() if variants is None else variants, arch, jobs, pdl_modes)
+    variants = builds() if variants is None else variants
+    if one_per_class:
+        variants, pdl_modes = first_of_each_class(variants, kernel_class), (True,)
+    return build_in_pool(build_one, variants, arch, jobs, pdl_modes)

@@ -19,7 +19,7 @@ from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import PlanVariant, Variant, shared_bytes
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
-from mla_backend_plugin.ops.manifest import VariantResult
+from mla_backend_plugin.ops.manifest import VariantResult, first_of_each_class
 
 
 def serving_variants() -> list[Variant]:
@@ -55,6 +55,15 @@ def builds() -> list[Variant | PlanVariant]:
     """What the family exports (cache, ``--into-package``) and CI checks: every serving variant and the step-plan
     kernel they all read their work items from."""
     return serving_variants() + [STEP_PLAN]
+
+
+def kernel_class(variant: Variant | PlanVariant) -> tuple:
+    """The kernel ``launch.compile_variant`` instantiates for a variant (design B's fp8 wgmma, design A's widened
+    tiles, or a 16-bit schedule; the step plan), with the dtypes and per-row key counts it is specialised on."""
+    if isinstance(variant, PlanVariant):
+        return ("step plan",)
+    kernel = "fp8mma" if variant.fp8_mma else "dequant" if variant.kv_dtype == "fp8" else variant.schedule
+    return kernel, variant.q_dtype, variant.kv_dtype, variant.row_kv_lens
 
 
 def _cuobjdump() -> str:
@@ -113,8 +122,12 @@ def _build_one(variant: Variant | PlanVariant, arch: str, use_pdl: bool = True):
 
 
 def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
-                     pdl_modes: tuple[bool, ...] = (True, False)):
-    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported."""
+                     pdl_modes: tuple[bool, ...] = (True, False), one_per_class: bool = False):
+    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported.
+    ``one_per_class``: the first variant of each ``kernel_class``, PDL on only."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm90 is built for {MANIFEST.archs}, not {arch!r}")
-    return build_in_pool(_build_one, builds() if variants is None else variants, arch, jobs, pdl_modes)
+    variants = builds() if variants is None else variants
+    if one_per_class:
+        variants, pdl_modes = first_of_each_class(variants, kernel_class), (True,)
+    return build_in_pool(_build_one, variants, arch, jobs, pdl_modes)

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from mla_backend_plugin.ops.arch import ARCHS
-from mla_backend_plugin.ops.manifest import VariantResult
+from mla_backend_plugin.ops.manifest import VariantResult, first_of_each_class
 
 # the balanced grid with its one-wave search compiled in (batch < WORK), the larger of its two forms
 BALANCED_CONSTEXPRS = {"WORK": 66, "SCAN": 128, "ONE_WAVE": True}
@@ -122,11 +122,16 @@ def build_triton(fn, pointers: dict, constexprs: dict, options: dict, cc: int):
                           options=options)
 
 
-def compile_variants(arch: str) -> list[VariantResult]:
+def compile_variants(arch: str, one_per_class: bool = False) -> list[VariantResult]:
+    """Every variant of ``triton_variants`` for ``arch``; ``one_per_class``: the first of each kernel and
+    pointer signature (the cache and partials dtypes)."""
     info = ARCHS[arch]
     cc, gpu_name, smem = info.cc_int, arch, info.smem_per_block
+    variants = list(triton_variants(cc))
+    if one_per_class:
+        variants = first_of_each_class(variants, lambda v: (v[1], tuple(sorted(v[2].items()))))
     results = []
-    for name, fn, pointers, constexprs, options in triton_variants(cc):
+    for name, fn, pointers, constexprs, options in variants:
         t0 = time.time()
         try:
             compiled = build_triton(fn, pointers, constexprs, options, cc)

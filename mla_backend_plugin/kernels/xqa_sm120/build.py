@@ -296,10 +296,11 @@ def sass_problems(name: str, arch: str, sass: str) -> list[str]:
     return problems
 
 
-def compile_variants(arch: str):
+def compile_variants(arch: str, one_per_class: bool = False):
     """Build for ``arch`` and report every kernel (mla_backend_plugin.compile's contract): registers, shared
     memory, spills; a kernel fails if it spills or if its SASS lacks the TMA load or (fp8 caches on
-    sm_120a/sm_121a) the native fp8 mma."""
+    sm_120a/sm_121a) the native fp8 mma. One nvcc build compiles every kernel, so ``one_per_class`` builds the
+    same."""
     t0 = time.time()
     try:
         res = build(arch)
