@@ -9,9 +9,9 @@ NAN_E4M3_BYTE = 0x7F  # e4m3fn has no inf; 0x7F is its NaN (the fp8 pool stores 
 
 
 def kit():
-    from mla_backend_plugin.sglang import plugin
+    from mla_backend_plugin.sglang import register
 
-    plugin.register()
+    register.register()
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention
 
     return mla_attention

@@ -26,7 +26,8 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from mla_backend_plugin.ops import serving
 from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES, V_HEAD_DIM
-from mla_backend_plugin.sglang.plugin import SGLANG_BACKEND_NAME
+from mla_backend_plugin.sglang import compat
+from mla_backend_plugin.sglang.compat import SGLANG_BACKEND_NAME
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -131,7 +132,7 @@ class CuteMLAAttnBackend(TritonAttnBackend):
             self.device, max_num_seqs=max_requests, num_speculative_tokens=(self.verify_q_len or 1) - 1,
             num_heads=self.num_heads, out_dtype=self.model_dtype)
         self.tables = PagedDecodeTables(model_runner.req_to_token_pool.req_to_token, page_size, max_requests)
-        graphs = _decode_cuda_graphs_enabled(server_args)
+        graphs = compat.decode_cuda_graphs_enabled(server_args)
         self.tuning = serving.DeploymentTuning(
             serving.make_deployment(
                 num_heads=self.num_heads, max_num_seqs=max_requests,
@@ -295,12 +296,3 @@ def _is_chain(spec_info, q_len: int) -> bool:
     """An EAGLE-family verify input of a chain (topk 1) of ``q_len`` tokens per request. Anything else (n-gram
     verify, whose drafts form a tree under a custom mask and carry no topk; DFlash blocks) is not ours."""
     return getattr(spec_info, "topk", None) == 1 and getattr(spec_info, "draft_token_num", q_len) == q_len
-
-
-def _decode_cuda_graphs_enabled(server_args) -> bool:
-    try:
-        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-
-        return not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
-    except Exception:  # noqa: BLE001 - an older layout: the legacy flag says it
-        return not getattr(server_args, "disable_cuda_graph", False)
