@@ -115,7 +115,11 @@ full = ServerArgs(model_path=model, page_size=64, device="cpu", load_format="dum
                   attention_backend="cute_mla")
 hybrid = ServerArgs(model_path=model, page_size=32, device="cpu", load_format="dummy", skip_tokenizer_init=True,
                     decode_attention_backend="cute_mla", prefill_attention_backend="triton")
-print("BACKENDS", *full.get_attention_backends(), *hybrid.get_attention_backends(), full.page_size)
+if hasattr(ServerArgs, "get_attention_backends"):  # sglang <= 0.5.17
+    backends = ServerArgs.get_attention_backends
+else:  # 0.5.23: the resolution moved into arg_groups
+    from sglang.srt.arg_groups.overrides import attention_backends_of as backends
+print("BACKENDS", *backends(full), *backends(hybrid), full.page_size)
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, SGLANG_PLUGINS="cute_mla")
@@ -285,10 +289,10 @@ def test_which_steps_are_ours():
 
     from mla_backend_plugin.sglang.backend import CuteMLAAttnBackend, _chain_verify_q_len
 
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=None)) is None
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=3, speculative_eagle_topk=1)) == 3
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=3, speculative_eagle_topk=4)) is None
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=6, speculative_eagle_topk=1)) is None
+    assert _chain_verify_q_len(None, 0) is None
+    assert _chain_verify_q_len(3, 1) == 3 and _chain_verify_q_len(3, 0) == 3
+    assert _chain_verify_q_len(3, 4) is None
+    assert _chain_verify_q_len(6, 1) is None
     backend = object.__new__(CuteMLAAttnBackend)
     backend.verify_q_len = 3
 

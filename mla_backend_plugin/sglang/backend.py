@@ -126,7 +126,9 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         self.num_heads = serving.check_num_heads(self.num_head)  # heads of this rank
         self.model_dtype = model_runner.dtype
         self.kv_cache_dtype = _kv_cache_dtype_name(model_runner.kv_cache_dtype, self.model_dtype)
-        self.verify_q_len = _chain_verify_q_len(server_args)
+        # the speculative settings as the Triton base read them (SGLang's runtime config: in 0.5.23 the server args a
+        # model runner holds need not carry them)
+        self.verify_q_len = _chain_verify_q_len(self.num_draft_tokens, self.topk)
         max_requests = model_runner.req_to_token_pool.size
         self.workspace = serving.make_workspace(
             self.device, max_num_seqs=max_requests, num_speculative_tokens=(self.verify_q_len or 1) - 1,
@@ -145,7 +147,7 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         self.cute_metadata: CuteMLAForwardMetadata | None = None
         # Triton's CUDA-graph buffers (fp32 split-KV logits per token, head and split) are needed only when a
         # graphed mode falls to it: speculative modes we do not serve
-        self.triton_graph_modes = bool(getattr(server_args, "speculative_algorithm", None)) and (
+        self.triton_graph_modes = not model_runner.spec_algorithm.is_none() and (
             self.verify_q_len is None or model_runner.is_draft_worker)
 
     # --- which steps are ours
@@ -277,14 +279,14 @@ def _kv_dequant_scale(layer) -> float:
     return 1.0 if scale is None else float(scale)
 
 
-def _chain_verify_q_len(server_args) -> int | None:
+def _chain_verify_q_len(num_draft_tokens: int | None, topk: int | None) -> int | None:
     """Query tokens per request of TARGET_VERIFY when our kernels can serve it: a chain draft (topk 1) of
     ``speculative_num_draft_tokens`` <= 4 tokens, each attending causally to the ones before it (the kernels'
     rule). None without speculative decoding or for tree drafts (SGLang's Triton path serves those)."""
-    draft = getattr(server_args, "speculative_num_draft_tokens", None) or 0
+    draft = num_draft_tokens or 0
     if draft == 0:
         return None
-    topk = getattr(server_args, "speculative_eagle_topk", None) or 1
+    topk = topk or 1
     if topk != 1 or draft > MAX_Q_LEN:
         logger.info("%s: verify of %s draft tokens with topk %s runs on SGLang's Triton path (ours: a chain of "
                     "at most %d)", SGLANG_BACKEND_NAME, draft, topk, MAX_Q_LEN)
