@@ -210,11 +210,13 @@ def scenario_validation_reasons() -> None:
 
     import mla_backend_plugin.vllm.compat as compat
 
-    compat.VLLM_VERSION, real_version = Version("0.25.1"), compat.VLLM_VERSION
-    reasons = CuteMLABackend.validate_configuration(**base)
+    real_version = compat.VLLM_VERSION
+    for outside in ("0.25.1", "0.34.0"):
+        compat.VLLM_VERSION = Version(outside)
+        reasons = CuteMLABackend.validate_configuration(**base)
+        expected = f"vLLM {outside} is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0"
+        assert any(expected in r for r in reasons), reasons
     compat.VLLM_VERSION = real_version
-    expected = "vLLM 0.25.1 is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0"
-    assert any(expected in r for r in reasons), reasons
     # The reason reaches the user through vLLM's selector
     install_fake_gpu(8, 0)
     try:
@@ -300,9 +302,11 @@ def _make_builder(cfg, block_size: int):
 
     from mla_backend_plugin.vllm.backend import CuteMLAMetadataBuilder
 
-    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's); vLLM >= 0.32
-    # also reads the MLA dims from it and, under DCP, its MLADCPManager (the prefill path's KV gather)
-    prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None))
+    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's; 0.33 asks its name
+    # when a step has prefills); vLLM >= 0.32 also reads the MLA dims from it and, under DCP, its MLADCPManager
+    # (the prefill path's KV gather)
+    prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None,
+                                                            get_name=lambda: "FLASH_ATTN"))
     layer = SimpleNamespace(prefill_backend=prefill, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128)
     try:
