@@ -9,12 +9,31 @@ NAN_E4M3_BYTE = 0x7F  # e4m3fn has no inf; 0x7F is its NaN (the fp8 pool stores 
 
 
 def kit():
-    from mla_backend_plugin.sglang import plugin
+    from mla_backend_plugin.sglang import register
 
-    plugin.register()
+    register.register()
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention
 
+    _state_one_attention_rank()
     return mla_attention
+
+
+_one_rank = None
+
+
+def _state_one_attention_rank() -> None:
+    """SGLang reads the attention's parallel layout from a process context that a server publishes; 0.5.23's MLA
+    kit states the TP size only, and its context no longer derives the decode-context-parallel rank that SGLang's
+    Triton backend (which ours extends) reads: stated here for the rest of the process, as SGLang's dense-attention
+    kit does (0.5.17 derives the same 0)."""
+    global _one_rank
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:  # an SGLang without the context
+        return
+    if _one_rank is None:
+        _one_rank = get_parallel().override(attn_dcp_rank=0)
+        _one_rank.__enter__()
 
 
 def write_kv_without_triton(monkeypatch) -> None:

@@ -20,6 +20,14 @@ from mla_backend_plugin.testing import make_decode_inputs
 
 B200 = (10, 0)
 FP8 = torch.float8_e4m3fn
+# The parameters of trtllm_batch_decode_with_kv_cache_mla in the FlashInfer releases the engines pin
+_V0_6 = ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+         "block_tables", "seq_lens", "max_seq_len", "sparse_mla_top_k", "out", "bmm1_scale", "bmm2_scale", "sinks",
+         "skip_softmax_threshold_scale_factor", "enable_pdl", "backend", "is_var_seq", "uses_shared_paged_kv_idx",
+         "lse", "return_lse", "cute_dsl_impl", "kv_scale_format", "cum_seq_lens_q", "max_q_len")  # 0.6.14 (vLLM 0.26)
+_V0_7 = _V0_6 + ("multi_ctas_kv_counter_buffer", "sparse_mla_top_k_lens", "enable_dcp", "cp_world", "cp_rank",
+                 "causal_seqlens_kv_global", "use_fp16_softmax", "return_lse_base")  # 0.7.2 (vLLM 0.33, SGLang 0.5.23)
+FLASHINFER_APIS = {"0.6.14": _V0_6, "0.7.2": _V0_7}
 
 
 @pytest.fixture
@@ -44,6 +52,7 @@ def test_manifests_are_registered_unverified_and_plan_nothing():
 
 
 def test_refusals_name_the_reason(importable, monkeypatch, tmp_path):
+    monkeypatch.setattr(fi, "api_parameters", lambda: frozenset(FLASHINFER_APIS["0.7.2"]))
     cute, trt = fi.unsupported_reason_cute_dsl, fi.unsupported_reason_trtllm
     bf16, _ = _args()
     assert cute(bf16, None) == "needs a CUDA device"
@@ -69,13 +78,19 @@ def test_refusals_name_the_reason(importable, monkeypatch, tmp_path):
     assert cute(bf16, B200) == "flashinfer-python is not installed"
 
 
-def test_block_table_must_cover_multiples_of_128_tokens(importable):
-    args, inputs = _args(block_size=16)  # 16 columns of 16 tokens: 256 tokens
-    narrow = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table[:, :12].contiguous(), inputs.seq_lens,
-                          softmax_scale=0.1)  # 12 x 16 = 192 tokens
-    assert fi.unsupported_reason_cute_dsl(args, B200) is None
-    assert "needs a block table covering a multiple of 128 tokens; it has 12 columns of 16-token blocks" in \
-        fi.unsupported_reason_cute_dsl(narrow, B200)
+@pytest.mark.parametrize("version", sorted(FLASHINFER_APIS))
+def test_block_table_must_cover_multiples_of_128_tokens(importable, monkeypatch, tmp_path, version):
+    """cute-dsl needs whole 128-token tiles of block table; trtllm-gen since FlashInfer 0.7 takes any width."""
+    monkeypatch.setattr(fi, "api_parameters", lambda: frozenset(FLASHINFER_APIS[version]))
+    monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(tmp_path))
+    (tmp_path / "fmha.cubin").write_bytes(b"x")
+    args, inputs = _args(block_size=32)  # 16 columns of 32 tokens: 512 tokens
+    narrow = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table[:, :13].contiguous(), inputs.seq_lens,
+                          softmax_scale=0.1)  # 13 x 32 = 416 tokens
+    assert fi.unsupported_reason_cute_dsl(args, B200) is None and fi.unsupported_reason_trtllm(args, B200) is None
+    reason = "needs a block table covering a multiple of 128 tokens; it has 13 columns of 32-token blocks"
+    assert reason in fi.unsupported_reason_cute_dsl(narrow, B200)
+    assert fi.unsupported_reason_trtllm(narrow, B200) == (None if version == "0.7.2" else reason)
 
 
 def test_scratch_is_declared_only_where_flashinfer_runs(monkeypatch):
@@ -96,17 +111,23 @@ class _Workspace:
         return self.buf
 
 
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """``flashinfer.mla`` replaced by a recorder that writes out = 1 and lse = 1 (as its kernels would write)."""
+@pytest.fixture(params=sorted(FLASHINFER_APIS))
+def fake_flashinfer(monkeypatch, request):
+    """``flashinfer.mla`` replaced by a recorder with the signature of one FlashInfer release that writes out = 1
+    and lse = 1 (base 2 for trtllm-gen unless asked for base e, as its kernels would write)."""
     calls = []
 
     def trtllm_batch_decode_with_kv_cache_mla(**kwargs):
         calls.append(kwargs)
         kwargs["out"].fill_(1.0)
-        kwargs["lse"].fill_(1.0)
+        base2 = kwargs["backend"] == "trtllm-gen" and kwargs.get("return_lse_base") != "basee"
+        kwargs["lse"].fill_(1.0 / math.log(2.0) if base2 else 1.0)
         return kwargs["out"], kwargs["lse"]
 
+    params = FLASHINFER_APIS[request.param]
+    trtllm_batch_decode_with_kv_cache_mla.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in params])
+    trtllm_batch_decode_with_kv_cache_mla.version = request.param
     mla = types.ModuleType("flashinfer.mla")
     mla.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
     pkg = types.ModuleType("flashinfer")
@@ -115,7 +136,13 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
     monkeypatch.setattr(fi, "SHARED_BYTES", 1 << 20)  # small scratch on the CPU
     monkeypatch.setattr(fi, "COUNTER_BYTES", 1 << 16)
-    return calls
+    fi.api_parameters.cache_clear()
+    yield calls
+    fi.api_parameters.cache_clear()
+
+
+def _fake_version() -> str:
+    return sys.modules["flashinfer.mla"].trtllm_batch_decode_with_kv_cache_mla.version
 
 
 @pytest.mark.parametrize("backend", ["cute-dsl", "trtllm-gen"])
@@ -139,11 +166,20 @@ def test_argument_mapping_of_a_joined_q(fake_flashinfer, backend):
     assert kw["bmm1_scale"] == pytest.approx(args.softmax_scale) and kw["bmm2_scale"] == 1.0
     region = kw["workspace_buffer"]
     assert region.dtype == torch.int8
-    start = fi.COUNTER_BYTES if backend == "cute-dsl" else 0  # cute-dsl never touches trtllm-gen's semaphores
+    v0_7 = _fake_version() == "0.7.2"
+    # cute-dsl never touches trtllm-gen's semaphores; FlashInfer 0.6's trtllm-gen finds them at the region's head,
+    # 0.7's in a buffer of their own (without one it would allocate one per call)
+    start = fi.COUNTER_BYTES if backend == "cute-dsl" or v0_7 else 0
     assert region.data_ptr() == ws.buf.data_ptr() + start and region.numel() == fi.SHARED_BYTES - start
-    # trtllm-gen's LSE is base 2; mla_decode returns natural log
-    expected = math.log(2.0) if backend == "trtllm-gen" else 1.0
-    assert torch.allclose(args.lse, torch.full_like(args.lse, expected))
+    counters = kw.get("multi_ctas_kv_counter_buffer")
+    if backend == "trtllm-gen" and v0_7:
+        assert counters.data_ptr() == ws.buf.data_ptr() and counters.numel() == fi.COUNTER_BYTES
+        assert counters.is_contiguous() and counters.dtype == torch.uint8
+    else:
+        assert counters is None
+    # mla_decode returns natural log: 0.7 writes it so (return_lse_base), 0.6's trtllm-gen base 2 is converted
+    assert kw.get("return_lse_base") == ("basee" if v0_7 else None)
+    assert torch.allclose(args.lse, torch.ones_like(args.lse))
 
 
 def test_argument_mapping_of_a_pair_and_fp8_scales(fake_flashinfer):
@@ -163,16 +199,29 @@ def test_argument_mapping_of_a_pair_and_fp8_scales(fake_flashinfer):
     assert kw["query"].dtype == FP8 and kw["query"].shape == (3, 1, 16, 576)
 
 
-def test_keywords_match_flashinfers_signature(fake_flashinfer, monkeypatch):
-    """Every keyword the adapter passes is a parameter of the installed FlashInfer's function."""
-    monkeypatch.delitem(sys.modules, "flashinfer")
-    monkeypatch.delitem(sys.modules, "flashinfer.mla")
+def test_keywords_match_flashinfers_signature(monkeypatch):
+    """Every keyword the adapter passes is a parameter of the installed FlashInfer's function (CI: 0.6.14 with
+    vLLM 0.26, 0.7.2 with vLLM 0.33 and SGLang 0.5.23; ``import flashinfer.mla`` works without a GPU), and the
+    parameter lists the fake releases above are made of are the real ones of that release."""
+    monkeypatch.setattr(fi, "SHARED_BYTES", 1 << 20)
+    monkeypatch.setattr(fi, "COUNTER_BYTES", 1 << 16)
+    fi.api_parameters.cache_clear()
     try:
+        import flashinfer
         from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla as real
-    except Exception as e:  # noqa: BLE001 - not installed, or it needs a GPU to import
-        pytest.skip(f"flashinfer.mla not importable here: {type(e).__name__}")
+    except ImportError as e:
+        pytest.skip(f"flashinfer-python is not installed here: {e}")
+    params = tuple(inspect.signature(real).parameters)
+    version = flashinfer.__version__.split("+")[0]
+    release = ".".join(version.split(".")[:3]).removesuffix(".post1")
+    if release in FLASHINFER_APIS:
+        assert params == FLASHINFER_APIS[release], version
     args, _ = _args(q_form="pair")
-    params = set(inspect.signature(real).parameters)
     for backend in ("cute-dsl", "trtllm-gen"):
         kw = fi.call_kwargs(args, _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2), backend, LaunchConfig())
-        assert set(kw) <= params, set(kw) - params
+        assert set(kw) <= set(params), set(kw) - set(params)
+        if "multi_ctas_kv_counter_buffer" in params and backend == "trtllm-gen":
+            assert "multi_ctas_kv_counter_buffer" in kw  # else FlashInfer >= 0.7 allocates one on every call
+        if "return_lse_base" in params:
+            assert kw["return_lse_base"] == "basee"
+    fi.api_parameters.cache_clear()

@@ -2,7 +2,7 @@
 resolution, the page-table builder and a decode step through the backend against SGLang's own MLA reference
 (its attention test kit, run on the CPU with our float32 reference kernel).
 
-The tests that need SGLang run in CI's third environment (sglang 0.5.17) and skip where it is not installed."""
+The tests that need SGLang run in CI's third environment (sglang 0.5.23) and skip where it is not installed."""
 
 from __future__ import annotations
 
@@ -18,38 +18,50 @@ import sglang_kit
 import torch
 from sglang_kit import write_kv_without_triton
 
-from mla_backend_plugin.sglang import plugin as sgl_register
+from mla_backend_plugin.sglang import compat as sgl_compat
+from mla_backend_plugin.sglang import register as sgl_register
 
 # --- no SGLang needed
 
 
-@pytest.mark.parametrize("version", ["0.5.14", "0.5.16", "0.5.17", "0.5.17.post1", "0.5.17rc1"])
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.16", "0.5.17", "0.5.17.post1", "0.5.18", "0.5.20rc1",
+                                     "0.5.23", "0.5.23.post1"])
 def test_version_gate_accepts(version):
-    sgl_register.check_sglang_version(version)
+    sgl_compat.check_sglang_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.5.13", "0.5.18", "0.6.0", "0.4.9"])
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.24", "0.5.24rc0", "0.6.0", "0.4.9"])
 def test_version_gate_refuses_naming_the_version_and_the_range(version):
     with pytest.raises(RuntimeError, match=rf"SGLang {version} is not supported; supported: sglang 0\.5\.14 \.\. "
-                                            r"0\.5\.17"):
-        sgl_register.check_sglang_version(version)
+                                            r"0\.5\.23 \(pip install 'sglang==0\.5\.23'\)"):
+        sgl_compat.check_sglang_version(version)
+
+
+def test_extra_matches_the_supported_range():
+    """setup.cfg's ``sglang`` extra allows exactly the versions the gate accepts."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    low, high = sgl_compat.SUPPORTED_SGLANG_VERSIONS
+    assert cfg["options.extras_require"]["sglang"].split() == [f"sglang>={low},<={high}"]
 
 
 def test_entry_point_declared():
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    ours = [ep for ep in eps if ep.value == "mla_backend_plugin.sglang:register"]
+    ours = [ep for ep in eps if ep.value == "mla_backend_plugin.sglang.register:register"]
     assert [ep.name for ep in ours] == ["cute_mla"]
 
 
 def test_import_is_light():
     """The entry point's module imports neither SGLang nor torch (SGLang loads plugins in every process)."""
-    code = ("import sys, mla_backend_plugin.sglang as m; "
+    code = ("import sys, mla_backend_plugin.sglang.register as m; "
             "print(sorted(k for k in ('sglang', 'torch', 'vllm') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-# --- with SGLang 0.5.17
+# --- with SGLang (CI: 0.5.23)
 
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")
 
@@ -103,7 +115,11 @@ full = ServerArgs(model_path=model, page_size=64, device="cpu", load_format="dum
                   attention_backend="cute_mla")
 hybrid = ServerArgs(model_path=model, page_size=32, device="cpu", load_format="dummy", skip_tokenizer_init=True,
                     decode_attention_backend="cute_mla", prefill_attention_backend="triton")
-print("BACKENDS", *full.get_attention_backends(), *hybrid.get_attention_backends(), full.page_size)
+if hasattr(ServerArgs, "get_attention_backends"):  # sglang <= 0.5.17
+    backends = ServerArgs.get_attention_backends
+else:  # 0.5.23: the resolution moved into arg_groups
+    from sglang.srt.arg_groups.overrides import attention_backends_of as backends
+print("BACKENDS", *backends(full), *backends(hybrid), full.page_size)
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, SGLANG_PLUGINS="cute_mla")
@@ -128,8 +144,9 @@ parser.parse_args(["--model-path", "m", "--attention-backend", "cute_mla"])
 
 @needs_sglang
 def test_factory_refuses_an_unsupported_sglang(monkeypatch):
-    monkeypatch.setattr(sgl_register, "installed_sglang_version", lambda: "0.5.18")
-    with pytest.raises(RuntimeError, match=r"SGLang 0\.5\.18 is not supported"):
+    monkeypatch.setattr(sgl_compat, "installed_sglang_version", lambda: "0.5.24")
+    with pytest.raises(RuntimeError,
+                       match=r"SGLang 0\.5\.24 is not supported; supported: sglang 0\.5\.14 \.\. 0\.5\.23"):
         sgl_register.create_backend(object())
 
 
@@ -272,10 +289,10 @@ def test_which_steps_are_ours():
 
     from mla_backend_plugin.sglang.backend import CuteMLAAttnBackend, _chain_verify_q_len
 
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=None)) is None
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=3, speculative_eagle_topk=1)) == 3
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=3, speculative_eagle_topk=4)) is None
-    assert _chain_verify_q_len(SimpleNamespace(speculative_num_draft_tokens=6, speculative_eagle_topk=1)) is None
+    assert _chain_verify_q_len(None, 0) is None
+    assert _chain_verify_q_len(3, 1) == 3 and _chain_verify_q_len(3, 0) == 3
+    assert _chain_verify_q_len(3, 4) is None
+    assert _chain_verify_q_len(6, 1) is None
     backend = object.__new__(CuteMLAAttnBackend)
     backend.verify_q_len = 3
 

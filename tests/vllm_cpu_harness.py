@@ -69,11 +69,13 @@ def selected_mla_backend(vllm_config, use_mla: bool = True) -> str:
 def scenario_entry_point() -> None:
     from importlib.metadata import entry_points
 
-    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value == "mla_backend_plugin:register"]
+    eps = [ep for ep in entry_points(group="vllm.general_plugins")
+           if ep.value == "mla_backend_plugin.vllm.register:register"]
     assert len(eps) == 1, f"entry point not found: {list(entry_points(group='vllm.general_plugins'))}"
     import mla_backend_plugin  # noqa: F401
 
     assert "vllm" not in sys.modules and "triton" not in sys.modules, "package import must stay lazy"
+    assert not [m for m in sys.modules if m.startswith("mla_backend_plugin.vllm")], "the package imports vllm/"
     eps[0].load()()
     eps[0].load()()  # idempotent
     import torch
@@ -197,16 +199,24 @@ def scenario_validation_reasons() -> None:
     for key, (value, expected) in cases.items():
         reasons = CuteMLABackend.validate_configuration(**{**base, key: value})
         assert any(expected in r for r in reasons), (key, reasons)
+    import inspect
+
+    from vllm.v1.attention.backend import AttentionBackend
+
+    if "use_dcp" in inspect.signature(AttentionBackend.validate_configuration).parameters:  # vLLM >= 0.33
+        assert CuteMLABackend.validate_configuration(**base, use_dcp=True) == []
     # A vLLM outside the supported range is refused with the range
     from packaging.version import Version
 
     import mla_backend_plugin.vllm.compat as compat
 
-    compat.VLLM_VERSION, real_version = Version("0.25.1"), compat.VLLM_VERSION
-    reasons = CuteMLABackend.validate_configuration(**base)
+    real_version = compat.VLLM_VERSION
+    for outside in ("0.25.1", "0.34.0"):
+        compat.VLLM_VERSION = Version(outside)
+        reasons = CuteMLABackend.validate_configuration(**base)
+        expected = f"vLLM {outside} is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0"
+        assert any(expected in r for r in reasons), reasons
     compat.VLLM_VERSION = real_version
-    expected = "vLLM 0.25.1 is not supported; CUTE_MLA supports vLLM >= 0.26.0, < 0.34.0"
-    assert any(expected in r for r in reasons), reasons
     # The reason reaches the user through vLLM's selector
     install_fake_gpu(8, 0)
     try:
@@ -292,9 +302,11 @@ def _make_builder(cfg, block_size: int):
 
     from mla_backend_plugin.vllm.backend import CuteMLAMetadataBuilder
 
-    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's); vLLM >= 0.32
-    # also reads the MLA dims from it and, under DCP, its MLADCPManager (the prefill path's KV gather)
-    prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None))
+    # the one layer the builder looks up: its prefill backend is cloned (prefill stays vLLM's; 0.33 asks its name
+    # when a step has prefills); vLLM >= 0.32 also reads the MLA dims from it and, under DCP, its MLADCPManager
+    # (the prefill path's KV gather)
+    prefill = SimpleNamespace(clone=lambda: SimpleNamespace(prepare_metadata=lambda metadata: None,
+                                                            get_name=lambda: "FLASH_ATTN"))
     layer = SimpleNamespace(prefill_backend=prefill, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128)
     try:
@@ -381,6 +393,56 @@ def scenario_dcp_decode() -> None:
     impl = CuteMLAImpl.__new__(CuteMLAImpl)
     assert impl.need_to_return_lse_for_decode and impl.lse_base_on_e
     assert impl.supports_mtp_with_cp_non_trivial_interleave_size
+
+
+def _make_impl(cfg):
+    """CuteMLAImpl as vLLM's MLAAttention layer makes it for the tiny model (DeepSeek dims, this rank's heads)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from mla_backend_plugin.vllm.backend import CuteMLAImpl
+
+    heads = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
+    kv_b_proj = torch.nn.Linear(512, heads * 256, bias=False)
+    with set_current_vllm_config(cfg):
+        return CuteMLAImpl(heads, 576, 0.1, 1, None, None, cfg.cache_config.cache_dtype, None, "decoder", None,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                           qk_head_dim=192, v_head_dim=128, kv_b_proj=kv_b_proj)
+
+
+def scenario_reserve_workspace() -> None:
+    """vLLM >= 0.33 calls each layer impl's reserve_workspace in its memory-profiling run, before it sizes the KV
+    cache: the workspace reserved there is the one the metadata builder takes (and its sizes are the builder's:
+    heads, requests, q_len, token requests); reserving again allocates nothing. Without a reservation (vLLM <= 0.32
+    never makes one) a builder allocates its own."""
+    import functools
+    import json
+
+    import torch
+
+    from mla_backend_plugin.ops import serving
+    from mla_backend_plugin.vllm import backend
+
+    os.environ["CUTE_MLA_KERNEL"] = "reference"
+    install_fake_gpu()
+    serving.MLAWorkspace = functools.partial(serving.MLAWorkspace, num_sms=132)
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    for extra in ([], ["--speculative-config", json.dumps(spec), "--tensor-parallel-size", "8",
+                       "--distributed-executor-backend", "mp"]):
+        cfg = engine_config("--attention-backend", "CUTE_MLA", "--block-size", "64", "--max-num-seqs", "8", *extra)
+        cfg.device_config.device = torch.device("cpu")
+        unreserved = _make_builder(cfg, 64).workspace
+        assert _make_builder(cfg, 64).workspace is not unreserved  # nothing reserved: each builder its own
+        impl = _make_impl(cfg)
+        impl.reserve_workspace()
+        (reserved,) = [w for w in backend._reserved_workspaces.values() if w.num_heads == unreserved.num_heads]
+        impl.reserve_workspace()
+        _make_impl(cfg).reserve_workspace()  # the next layer
+        assert [w for w in backend._reserved_workspaces.values() if w.num_heads == unreserved.num_heads] == [reserved]
+        builder = _make_builder(cfg, 64)
+        assert builder.workspace is reserved, "the builder allocated a second workspace"
+        for field in ("max_batch", "max_q_len", "num_heads"):
+            assert getattr(reserved, field) == getattr(unreserved, field), (field, extra)
 
 
 def scenario_dcp_refusals() -> None:

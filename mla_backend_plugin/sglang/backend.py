@@ -26,7 +26,8 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from mla_backend_plugin.ops import serving
 from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES, V_HEAD_DIM
-from mla_backend_plugin.sglang.plugin import SGLANG_BACKEND_NAME
+from mla_backend_plugin.sglang import compat
+from mla_backend_plugin.sglang.compat import SGLANG_BACKEND_NAME
 from mla_backend_plugin.testing.reference_check import engine_check
 
 logger = logging.getLogger("mla_backend_plugin")
@@ -126,13 +127,15 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         self.num_heads = serving.check_num_heads(self.num_head)  # heads of this rank
         self.model_dtype = model_runner.dtype
         self.kv_cache_dtype = _kv_cache_dtype_name(model_runner.kv_cache_dtype, self.model_dtype)
-        self.verify_q_len = _chain_verify_q_len(server_args)
+        # the speculative settings as the Triton base read them (SGLang's runtime config: in 0.5.23 the server args a
+        # model runner holds need not carry them)
+        self.verify_q_len = _chain_verify_q_len(self.num_draft_tokens, self.topk)
         max_requests = model_runner.req_to_token_pool.size
         self.workspace = serving.make_workspace(
             self.device, max_num_seqs=max_requests, num_speculative_tokens=(self.verify_q_len or 1) - 1,
             num_heads=self.num_heads, out_dtype=self.model_dtype)
         self.tables = PagedDecodeTables(model_runner.req_to_token_pool.req_to_token, page_size, max_requests)
-        graphs = _decode_cuda_graphs_enabled(server_args)
+        graphs = compat.decode_cuda_graphs_enabled(server_args)
         self.tuning = serving.DeploymentTuning(
             serving.make_deployment(
                 num_heads=self.num_heads, max_num_seqs=max_requests,
@@ -145,7 +148,7 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         self.cute_metadata: CuteMLAForwardMetadata | None = None
         # Triton's CUDA-graph buffers (fp32 split-KV logits per token, head and split) are needed only when a
         # graphed mode falls to it: speculative modes we do not serve
-        self.triton_graph_modes = bool(getattr(server_args, "speculative_algorithm", None)) and (
+        self.triton_graph_modes = not model_runner.spec_algorithm.is_none() and (
             self.verify_q_len is None or model_runner.is_draft_worker)
 
     # --- which steps are ours
@@ -280,14 +283,14 @@ def _kv_dequant_scale(layer) -> float:
     return 1.0 if scale is None else float(scale)
 
 
-def _chain_verify_q_len(server_args) -> int | None:
+def _chain_verify_q_len(num_draft_tokens: int | None, topk: int | None) -> int | None:
     """Query tokens per request of TARGET_VERIFY when our kernels can serve it: a chain draft (topk 1) of
     ``speculative_num_draft_tokens`` <= 4 tokens, each attending causally to the ones before it (the kernels'
     rule). None without speculative decoding or for tree drafts (SGLang's Triton path serves those)."""
-    draft = getattr(server_args, "speculative_num_draft_tokens", None) or 0
+    draft = num_draft_tokens or 0
     if draft == 0:
         return None
-    topk = getattr(server_args, "speculative_eagle_topk", None) or 1
+    topk = topk or 1
     if topk != 1 or draft > MAX_Q_LEN:
         logger.info("%s: verify of %s draft tokens with topk %s runs on SGLang's Triton path (ours: a chain of "
                     "at most %d)", SGLANG_BACKEND_NAME, draft, topk, MAX_Q_LEN)
@@ -299,12 +302,3 @@ def _is_chain(spec_info, q_len: int) -> bool:
     """An EAGLE-family verify input of a chain (topk 1) of ``q_len`` tokens per request. Anything else (n-gram
     verify, whose drafts form a tree under a custom mask and carry no topk; DFlash blocks) is not ours."""
     return getattr(spec_info, "topk", None) == 1 and getattr(spec_info, "draft_token_num", q_len) == q_len
-
-
-def _decode_cuda_graphs_enabled(server_args) -> bool:
-    try:
-        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-
-        return not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
-    except Exception:  # noqa: BLE001 - an older layout: the legacy flag says it
-        return not getattr(server_args, "disable_cuda_graph", False)

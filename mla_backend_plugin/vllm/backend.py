@@ -11,7 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 
 from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import serving
@@ -58,21 +58,19 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
         # (row_kv_lens, any interleave size).
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, CuteMLAMetadata,
                          supports_dcp_with_varlen=True)
-        spec = vllm_config.speculative_config
-        num_spec = spec.num_speculative_tokens if spec is not None else 0
+        num_spec = num_speculative_tokens(vllm_config)
         max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         # vLLM set the threshold to the speculative q_len (or 1 under DCP without varlen support)
         self.reorder_batch_threshold = max(self.reorder_batch_threshold or 1,
                                            serving.decode_query_len_threshold(num_spec, self.dcp_world_size))
         if self.dcp_world_size > 1:
             self.query_len_support = compat.QueryLenSupport.UNIFORM  # token requests are not built for DCP
-        # Allocated once, before warm-up and CUDA-graph capture: split-KV partials and the outputs that
-        # forward_mqa returns views of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM).
-        # With short prefills on the decode path it also serves their slices of token requests.
-        self.workspace = serving.make_workspace(
-            device, max_num_seqs=max_num_seqs, num_speculative_tokens=num_spec,
-            num_heads=serving.check_num_heads(self.num_heads, self.dcp_world_size),
-            out_dtype=vllm_config.model_config.dtype,
+        # Before warm-up and CUDA-graph capture: split-KV partials and the outputs that forward_mqa returns views
+        # of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM). With short prefills on the
+        # decode path it also serves their slices of token requests. vLLM >= 0.33 reserved it in its memory
+        # profile (CuteMLAImpl.reserve_workspace), so the KV cache was sized around it.
+        self.workspace = engine_workspace(
+            vllm_config, device, serving.check_num_heads(self.num_heads, self.dcp_world_size),
             token_requests=self.reorder_batch_threshold > serving.max_decode_q_len(num_spec))
         # The autotuner's warm-up (ops/serving.py): the decode shapes this engine runs, prepared (and with
         # CUTE_MLA_AUTOTUNE=1 tuned) on the first build outside capture (_build_decode), before any decode call:
@@ -143,6 +141,41 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                                        self.cp_kv_cache_interleave_size, out=out)
 
 
+def num_speculative_tokens(vllm_config: VllmConfig) -> int:
+    spec = vllm_config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else 0
+
+
+# The decode workspaces vLLM's memory profile reserved (vLLM >= 0.33 calls MLAAttentionImpl.reserve_workspace in
+# its profiling run, before it sizes the KV cache), by what sizes them; the builder takes the one of its sizes.
+_reserved_workspaces: dict[tuple, MLAWorkspace] = {}
+
+
+def _workspace_key(vllm_config: VllmConfig, device, num_heads: int, token_requests: bool) -> tuple:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (device, vllm_config.scheduler_config.max_num_seqs, num_speculative_tokens(vllm_config), num_heads,
+            vllm_config.model_config.dtype, token_requests)
+
+
+def engine_workspace(vllm_config: VllmConfig, device, num_heads: int, token_requests: bool,
+                     reserve: bool = False) -> MLAWorkspace:
+    """The decode workspace of an engine (``num_heads``: the query heads of one decode call, the DCP group's under
+    decode context parallelism): the one reserved for these sizes if any, else a new one, kept as the reserved one
+    when ``reserve`` (vLLM's profiling run; reserving again finds it)."""
+    key = _workspace_key(vllm_config, device, num_heads, token_requests)
+    workspace = _reserved_workspaces.get(key)
+    if workspace is None:
+        num_spec = num_speculative_tokens(vllm_config)
+        workspace = serving.make_workspace(
+            key[0], max_num_seqs=vllm_config.scheduler_config.max_num_seqs, num_speculative_tokens=num_spec,
+            num_heads=num_heads, out_dtype=vllm_config.model_config.dtype, token_requests=token_requests)
+        if reserve:
+            _reserved_workspaces[key] = workspace
+    return workspace
+
+
 def engine_fp8_query() -> bool:
     """CUTE_MLA_FP8_QUERY on this engine's GPU (serving.fp8_query)."""
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -152,12 +185,11 @@ def engine_fp8_query() -> bool:
 def deployment_for(vllm_config: VllmConfig, num_heads: int, block_size: int):
     """The autotuner's view of this engine: its full-CUDA-graph batch sizes (without full decode graphs: powers of
     two up to max_num_seqs), max_model_len, dtypes, speculative q_len and kernel block size."""
-    spec = vllm_config.speculative_config
     capture_sizes = (vllm_config.compilation_config.cudagraph_capture_sizes
                      if compat.full_decode_graphs(vllm_config) else None)
     return serving.make_deployment(
         num_heads=num_heads, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        num_speculative_tokens=num_speculative_tokens(vllm_config),
         model_dtype=vllm_config.model_config.dtype, kv_cache_dtype=vllm_config.cache_config.cache_dtype,
         block_size=block_size, max_model_len=vllm_config.model_config.max_model_len, capture_sizes=capture_sizes,
         fp8_query=engine_fp8_query())
@@ -170,8 +202,6 @@ def prebuild_decode_kernels(num_heads: int) -> None:
     prebuild_kernels)."""
     if not envs.CUTE_MLA_PREBUILD or not torch.cuda.is_available():
         return
-    from vllm.config import get_current_vllm_config
-
     vllm_config = get_current_vllm_config()
     block_size = vllm_config.cache_config.block_size
     if block_size is None:
@@ -186,6 +216,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
     # row_kv_lens gives each query row its causal limit in local positions for any cp_kv_cache_interleave_size,
     # so MTP with an interleave > 1 works (vLLM refuses that combination for impls that do not declare it)
     supports_mtp_with_cp_non_trivial_interleave_size: bool = True
+    supports_dcp: bool = True  # vLLM >= 0.33 refuses decode context parallelism for impls that do not declare it
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
@@ -196,13 +227,26 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         serving.check_attention_features(alibi_slopes, sliding_window, logits_soft_cap)
         if attn_type != compat.AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got {attn_type}")
-        total_heads = serving.check_num_heads(num_heads, compat.configured_dcp_size())
+        dcp_size = compat.configured_dcp_size()
+        self.total_heads = serving.check_num_heads(num_heads, dcp_size)
         serving.check_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
-        prebuild_decode_kernels(total_heads)
+        prebuild_decode_kernels(self.total_heads)
+        # what reserve_workspace sizes the workspace by (the builder's sizes: its reorder threshold decides whether
+        # short prefills are decoded as token requests)
+        self.engine_config = get_current_vllm_config()
+        num_spec = num_speculative_tokens(self.engine_config)
+        self.token_requests = (serving.decode_query_len_threshold(num_spec, dcp_size)
+                               > serving.max_decode_q_len(num_spec))
         # vLLM quantises q to fp8 for an fp8 cache only when the backend asks (serving.fp8_query: on Hopper by
         # default, where cute_sm90 runs it fastest; otherwise the kernels widen or split the model-dtype q)
         self.supports_quant_query_input = engine_fp8_query()
         self.runner = serving.DecodeRunner(scale, kv_cache_dtype, check=engine_check())
+
+    def reserve_workspace(self) -> None:
+        """vLLM >= 0.33, in its memory-profiling run (every layer; once is enough): allocate the workspace the
+        metadata builder will take, so that the KV cache is sized around it."""
+        engine_workspace(self.engine_config, self.engine_config.device_config.device, self.total_heads,
+                         self.token_requests, reserve=True)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: CuteMLAMetadata, layer):
         decode = attn_metadata.decode

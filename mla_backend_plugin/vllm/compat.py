@@ -1,6 +1,14 @@
 """The vLLM 0.26 .. 0.33 differences the backend depends on, in one place.
 
-* ``MLACommon*`` live in ``vllm.model_executor.layers.attention.mla_attention`` throughout 0.26 .. 0.33.
+* ``MLACommon*`` live in ``vllm.model_executor.layers.attention.mla_attention`` throughout 0.26 .. 0.33 (0.33
+  split ``MLACommonImpl`` over a new ``MLACommonBaseImpl`` there; the backend extends ``MLACommonImpl`` as before).
+* 0.33 calls ``MLAAttentionImpl.reserve_workspace()`` in its memory-profiling run, before it sizes the KV cache:
+  the impl reserves the decode workspace there and the builder takes it (earlier releases never call it, and the
+  builder allocates it). 0.33 also refuses decode context parallelism for an impl without ``supports_dcp``.
+* 0.33 replaced ``AttentionBackend.get_kv_cache_stride_order`` with ``supported_kv_cache_layouts`` (None: any
+  layout). The backend keeps the former for 0.26 .. 0.32 and declares no layout: each layer's cache still reaches
+  ``forward_mqa`` as ``[blocks, block_size, 576]`` (``MLAAttention.bind_kv_cache`` drops the head dim of 1), and
+  the kernels address pages through the block stride, so a cross-layer allocation works in every layout.
 * ``MLACommonMetadataBuilder._build_decode`` gained ``max_query_len`` in 0.32; vLLM calls it with keywords
   only, so the override takes ``**kwargs`` and reads what it needs (``max_seq_len``, ``dcp_tot_seq_lens_device``).
 * ``AttentionBackend.get_supported_kernel_block_sizes`` gained an optional ``kv_cache_spec`` in 0.32.
@@ -22,7 +30,7 @@ VLLM_VERSION = Version(version("vllm"))
 MIN_VLLM = Version("0.26.0")
 MAX_VLLM_EXCLUSIVE = Version("0.34.0")
 
-# Where each vLLM class the backend builds on lives (both 0.26 and 0.32 keep the MLA common classes in
+# Where each vLLM class the backend builds on lives (0.26 .. 0.33 keep the MLA common classes in
 # mla_attention; older trees had vllm.v1.attention.backends.mla.common). Imported on first use, so that the
 # plugin's registration, which runs in every vLLM process, imports only vLLM's registry modules.
 _CLASSES = {

@@ -1,4 +1,4 @@
-"""Registration of CUTE_MLA with vLLM 0.26 .. 0.33, called from the ``vllm.general_plugins`` entry point.
+"""Registration of CUTE_MLA with vLLM: ``register`` is the ``vllm.general_plugins`` entry point.
 
 What it does, once per process (vLLM calls plugins in the API process, the engine core and every worker):
 
@@ -31,7 +31,7 @@ _registered = False
 
 def backend_enum_member(name: str = BACKEND_NAME):
     """Unpickling hook: the enum member named ``name``, registering the plugin first if needed."""
-    register_with_vllm()
+    register()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     return AttentionBackendEnum[name]
@@ -139,8 +139,10 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
-def register_with_vllm() -> None:
-    """Idempotent; imports only vLLM's registry modules (no CUDA work, no kernel imports)."""
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group. vLLM calls it in every process it starts (API server,
+    engine core, workers), so it is cheap and idempotent: it imports only vLLM's registry modules (no CUDA work,
+    no kernel imports)."""
     global _registered
     if _registered:
         return

@@ -1,8 +1,19 @@
 """Registry entry points of the FlashInfer adapters: support checks, configs, the shared scratch, the call.
 
-Written against flashinfer-python 0.6.14 (vLLM 0.26's pin): ``trtllm_batch_decode_with_kv_cache_mla(query [B,
-q_len, H, 576], kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
-seq_lens, max_seq_len, out=, bmm1_scale=, bmm2_scale=, enable_pdl=, backend=, lse=, return_lse=, cute_dsl_impl=)``.
+``trtllm_batch_decode_with_kv_cache_mla(query [B, q_len, H, 576], kv_cache, workspace_buffer, qk_nope_head_dim,
+kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens, max_seq_len, out=, bmm1_scale=, bmm2_scale=, enable_pdl=,
+backend=, lse=, return_lse=, cute_dsl_impl=)`` in every FlashInfer the engines pin: 0.6.14 (vLLM 0.26), 0.6.15.post1
+(SGLang 0.5.17), 0.7.2 (vLLM 0.33, SGLang 0.5.23). A query of q_len > 1 is one fixed-q block per request: both
+kernels fold its q_len x H rows into their M tiles (cute-dsl: ceil(q_len * H / 128) tiles) under the causal rule.
+What 0.7 changed, read from the installed signature (``api_parameters``):
+
+* ``multi_ctas_kv_counter_buffer``: trtllm-gen's semaphores moved out of the head of ``workspace_buffer`` into a
+  buffer of their own, which FlashInfer allocates on every call unless the caller passes one (an allocation per
+  launch, and new memory under CUDA-graph capture). Ours is the head of the shared scratch, zeroed once.
+* ``return_lse_base="basee"``: trtllm-gen writes a natural-log LSE itself (0.6 writes base 2, scaled here after
+  the call).
+* trtllm-gen takes a block table of any width (0.6 and cute-dsl: a multiple of 128 tokens).
+
 Importing this module imports no FlashInfer; ``unsupported_reason_*`` import it once, only on SM100/SM103.
 """
 
@@ -11,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 
@@ -30,10 +42,22 @@ COUNTER_BYTES = 8 * 2**20
 SHARED_BYTES = 256 * 2**20
 # DeepSeek's q/k "nope" width before W_UK is absorbed; the dense decode paths ignore it, FlashInfer's API asks it.
 DEEPSEEK_QK_NOPE_HEAD_DIM = 128
-# trtllm-gen writes the LSE in base 2 (vLLM's FlashInferMLAImpl: lse_base_on_e = False); the monolithic cute-dsl
-# kernel converts to natural log before its store. mla_decode returns natural-log LSE.
+# trtllm-gen writes the LSE in base 2 by default (vLLM's FlashInferMLAImpl: lse_base_on_e = False); the monolithic
+# cute-dsl kernel converts to natural log before its store. mla_decode returns natural-log LSE.
 LSE_IN_LOG2 = {"cute-dsl": False, "trtllm-gen": True}
 SM100_FAMILY = 10
+
+
+@functools.cache
+def api_parameters() -> frozenset[str]:
+    """The parameters of the installed ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla``."""
+    flashinfer_mla = importlib.import_module("flashinfer.mla")
+    return frozenset(inspect.signature(flashinfer_mla.trtllm_batch_decode_with_kv_cache_mla).parameters)
+
+
+def separate_counters() -> bool:
+    """FlashInfer >= 0.7: trtllm-gen's semaphores are a buffer of their own (``multi_ctas_kv_counter_buffer``)."""
+    return "multi_ctas_kv_counter_buffer" in api_parameters()
 
 
 @functools.cache
@@ -78,16 +102,20 @@ def _common_reason(backend: str, args, cc) -> str | None:
         if isinstance(getattr(args, name), torch.Tensor):
             return (f"takes its scales as host floats (fused into bmm1/bmm2 on the host); {name} is a device "
                     "tensor, which would have to be read back (a sync)")
-    if args.block_table.shape[1] % (128 // args.block_size):  # block sizes are 16..128
-        return (f"needs a block table covering a multiple of 128 tokens; it has {args.block_table.shape[1]} "
-                f"columns of {args.block_size}-token blocks")
     if not (args.out.is_contiguous() and args.lse.is_contiguous()):
         return "needs contiguous out and lse"
     return None
 
 
+def _block_table_reason(args) -> str | None:
+    if args.block_table.shape[1] % (128 // args.block_size):  # block sizes are 16..128
+        return (f"needs a block table covering a multiple of 128 tokens; it has {args.block_table.shape[1]} "
+                f"columns of {args.block_size}-token blocks")
+    return None
+
+
 def unsupported_reason_cute_dsl(args, cc) -> str | None:
-    return _common_reason("cute-dsl", args, cc)
+    return _common_reason("cute-dsl", args, cc) or _block_table_reason(args)
 
 
 def unsupported_reason_trtllm(args, cc) -> str | None:
@@ -96,6 +124,10 @@ def unsupported_reason_trtllm(args, cc) -> str | None:
         return why
     if args.block_size not in (32, 64):
         return f"trtllm-gen needs block size 32 or 64, the cache has {args.block_size}"
+    if not separate_counters():  # FlashInfer < 0.7 pads nothing: the table must cover whole 128-token tiles
+        why = _block_table_reason(args)
+        if why:
+            return why
     return cubins_missing()
 
 
@@ -147,7 +179,9 @@ def call_kwargs(args, workspace, backend: str, config: LaunchConfig) -> dict:
         flat = query.view(-1, args.num_heads, QK_HEAD_DIM)
         flat[..., :KV_LORA_RANK].copy_(args.q_nope)
         flat[..., KV_LORA_RANK:].copy_(args.q_pe)
-    region = buf[:SHARED_BYTES] if backend == "trtllm-gen" else buf[COUNTER_BYTES:SHARED_BYTES]
+    counters = backend == "trtllm-gen" and separate_counters()
+    # trtllm-gen < 0.7 finds its semaphores at the head of the region; cute-dsl never touches them
+    region = buf[:SHARED_BYTES] if backend == "trtllm-gen" and not counters else buf[COUNTER_BYTES:SHARED_BYTES]
     q_scale = 1.0 if args.q_scale is None else float(args.q_scale)
     kv_scale = 1.0 if args.kv_scale is None else float(args.kv_scale)
     kwargs = dict(
@@ -161,13 +195,22 @@ def call_kwargs(args, workspace, backend: str, config: LaunchConfig) -> dict:
         enable_pdl=bool(config.enable_pdl), backend=backend, lse=args.lse, return_lse=True)
     if backend == "cute-dsl":
         kwargs["cute_dsl_impl"] = "monolithic"  # the implementation that writes the LSE
+    if counters:
+        kwargs["multi_ctas_kv_counter_buffer"] = buf[:COUNTER_BYTES]
+    if "return_lse_base" in api_parameters():
+        kwargs["return_lse_base"] = "basee"
     return kwargs
+
+
+def lse_in_log2(backend: str) -> bool:
+    """Whether the kernel leaves a base-2 LSE for us to convert (trtllm-gen before FlashInfer 0.7)."""
+    return LSE_IN_LOG2[backend] and "return_lse_base" not in api_parameters()
 
 
 def _launch(backend: str, args, workspace, config: LaunchConfig) -> None:
     flashinfer_mla = importlib.import_module("flashinfer.mla")
     flashinfer_mla.trtllm_batch_decode_with_kv_cache_mla(**call_kwargs(args, workspace, backend, config))
-    if LSE_IN_LOG2[backend]:
+    if lse_in_log2(backend):
         args.lse.mul_(math.log(2.0))
 
 

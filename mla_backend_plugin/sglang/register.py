@@ -1,53 +1,30 @@
-"""Registration of ``cute_mla`` with SGLang, called from the ``sglang.srt.plugins`` entry point.
+"""Registration of ``cute_mla`` with SGLang: ``register`` is the ``sglang.srt.plugins`` entry point.
 
 Once per process it (1) adds ``cute_mla`` to SGLang's attention-backend choices, which feed
 ``--attention-backend``, ``--prefill-attention-backend`` and ``--decode-attention-backend`` (the launcher loads
 plugins before it parses arguments), and (2) registers the backend factory that SGLang's model runner calls
-as ``factory(model_runner)``. The name is ours: SGLang's own ``cutedsl_mla`` is a different, Blackwell-only
-backend.
+as ``factory(model_runner)``. The name is ours: SGLang's own ``cutedsl_mla`` is a different backend (FlashInfer's
+CuTe-DSL MLA decode on Blackwell, with decode context parallelism).
 
 SGLang catches and logs a plugin's exceptions, so an unsupported SGLang would only leave a log line and an
 "invalid choice" from argparse. Instead the name is registered whenever SGLang's hooks exist, and the factory
-refuses an unsupported version with the versions it supports.
+refuses an unsupported version naming it and the supported range (compat.py).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
+
+from mla_backend_plugin.sglang.compat import (
+    SGLANG_BACKEND_NAME,
+    check_sglang_version,
+    installed_sglang_version,
+    supported_range,
+)
 
 logger = logging.getLogger("mla_backend_plugin")
 
-SGLANG_BACKEND_NAME = "cute_mla"
-# 0.5.14 introduced the out_graph / in_graph metadata hooks the backend implements; 0.5.18 moved to torch 2.13.
-SUPPORTED_SGLANG_VERSIONS = ("0.5.14", "0.5.17")
-
 _registered = False
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The release numbers a version leads to (0.5.17rc1, 0.5.17.post1 -> (0, 5, 17))."""
-    from packaging.version import Version
-
-    return Version(version).release[:3]
-
-
-def installed_sglang_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def check_sglang_version(version: str | None = None) -> None:
-    """Raise a RuntimeError naming the installed SGLang and the supported range unless it is supported."""
-    version = installed_sglang_version() if version is None else version
-    low, high = SUPPORTED_SGLANG_VERSIONS
-    if version is None:
-        raise RuntimeError(f"{SGLANG_BACKEND_NAME}: SGLang is not installed; supported: sglang {low} .. {high}")
-    if not _release(low) <= _release(version) <= _release(high):
-        raise RuntimeError(f"{SGLANG_BACKEND_NAME}: SGLang {version} is not supported; supported: sglang {low} .. "
-                           f"{high} (pip install 'sglang=={high}')")
 
 
 def create_backend(model_runner):
@@ -85,8 +62,7 @@ def register() -> None:
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     except ImportError as e:
         raise RuntimeError(f"{SGLANG_BACKEND_NAME}: SGLang {version} lacks the attention-backend registry this "
-                           f"plugin uses ({e}); supported: sglang {SUPPORTED_SGLANG_VERSIONS[0]} .. "
-                           f"{SUPPORTED_SGLANG_VERSIONS[1]}") from e
+                           f"plugin uses ({e}); supported: {supported_range()}") from e
     if SGLANG_BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([SGLANG_BACKEND_NAME])
     if ATTENTION_BACKENDS.get(SGLANG_BACKEND_NAME) is not create_backend:
