@@ -110,22 +110,25 @@ def write_model_dir(model_dir: Path, layers: int) -> Path:
 
 # ---------------------------------------------------------------- what to run
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``2048x256,8192x512`` -> [(2048, 256), (8192, 512)] (input tokens x output tokens)."""
-    shapes = []
+def parse_shapes(text: str, rates: list[str]) -> dict[tuple[int, int], list[str]]:
+    """``2048x256,8192x512@1/2/4/inf`` -> {(2048, 256): rates, (8192, 512): ['1', '2', '4', 'inf']}: input x output
+    tokens, each with ``rates`` unless it names its own after ``@`` (``/``-separated)."""
+    shapes = {}
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        a, sep, b = item.partition("x")
+        dims, at, own = item.partition("@")
+        a, sep, b = dims.partition("x")
         if not sep or not a.isdigit() or not b.isdigit() or int(a) < 1 or int(b) < 1:
-            raise ValueError(f"--shapes {text!r}: {item!r} is not INPUTxOUTPUT (positive integers, e.g. 2048x256)")
-        shapes.append((int(a), int(b)))
+            raise ValueError(f"--shapes {text!r}: {item!r} is not INPUTxOUTPUT[@RATE/RATE/...] (positive integers, "
+                             "e.g. 2048x256 or 8192x512@1/2/4/inf)")
+        shapes[(int(a), int(b))] = parse_rates(own.replace("/", ","), f"--shapes {item!r}") if at else rates
     if not shapes:
         raise ValueError("--shapes: no shape given")
     return shapes
 
 
-def parse_rates(text: str) -> list[str]:
+def parse_rates(text: str, name: str = "--rates") -> list[str]:
     """``2,8,inf`` -> ['2', '8', 'inf']: request rates in requests/s as vllm bench serve takes them (``inf``: every
     prompt at once), ascending, ``inf`` last."""
     rates = []
@@ -135,12 +138,12 @@ def parse_rates(text: str) -> list[str]:
         try:
             value = float(item)
         except ValueError:
-            raise ValueError(f"--rates {text!r}: {item!r} is neither a number of requests/s nor 'inf'") from None
+            raise ValueError(f"{name} {text!r}: {item!r} is neither a number of requests/s nor 'inf'") from None
         if not value > 0 or math.isnan(value):
-            raise ValueError(f"--rates {text!r}: {item!r} must be > 0 (or 'inf')")
+            raise ValueError(f"{name} {text!r}: {item!r} must be > 0 (or 'inf')")
         rates.append("inf" if math.isinf(value) else f"{value:g}")
     if not rates:
-        raise ValueError("--rates: no rate given")
+        raise ValueError(f"{name}: no rate given")
     return sorted(set(rates), key=float)
 
 
@@ -331,8 +334,8 @@ def pending_rows(args, config: tuple[str, str, int], done: set) -> list[tuple[tu
     """(shape, rate, key) of a configuration's rows not yet in rows.csv, in run order."""
     backend, kv, spec = config
     out = []
-    for shape in args.shapes:
-        for rate in args.rates:
+    for shape, rates in args.shapes.items():
+        for rate in rates:
             key = {"backend": backend, "kv_cache_dtype": kv, "spec_tokens": spec, "layers": args.layers,
                    "input_len": shape[0], "output_len": shape[1], "request_rate": rate,
                    "num_prompts": args.num_prompts, "max_num_seqs": args.max_num_seqs}
@@ -375,6 +378,8 @@ class Server:
     """``vllm serve`` in its own process group, its output in ``log_path``; ``wait_healthy`` polls /health.
     ``stop`` (also on leaving the ``with`` block) interrupts the whole group, then kills what is left."""
 
+    GRACE_S = 30.0  # from SIGINT to SIGKILL
+
     def __init__(self, cmd: list[str], env: dict, log_path: Path, port: int):
         self.cmd, self.env, self.log_path, self.port = cmd, env, log_path, port
         self.proc: subprocess.Popen | None = None
@@ -408,12 +413,12 @@ class Server:
         raise RuntimeError(f"vllm serve not healthy after {timeout_s:.0f} s (--server-timeout):\n"
                            f"{tail(self.log_path)}")
 
-    def stop(self, grace_s: float = 30) -> None:
-        """SIGINT to the process group (vLLM shuts its engine down), SIGKILL to what is left after ``grace_s``."""
+    def stop(self) -> None:
+        """SIGINT to the process group (vLLM shuts its engine down), SIGKILL to what is left after GRACE_S."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group's id is the server's pid
-        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 30.0)):
+        for sig, wait_s in ((signal.SIGINT, self.GRACE_S), (signal.SIGKILL, 30.0)):
             if not _group_alive(self.proc, pgid):
                 break
             with contextlib.suppress(ProcessLookupError):
@@ -719,9 +724,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtypes", default="auto,fp8",
                    help="KV-cache dtypes, each run with the backends that support it (auto: the model dtype)")
     p.add_argument("--spec", default="0,1", help="n-gram speculative tokens per step (0: none), comma-separated")
-    p.add_argument("--shapes", default="2048x256,8192x512", help="INPUTxOUTPUT token lengths, comma-separated")
-    p.add_argument("--rates", default="2,4,8,16,inf", help="request rates in requests/s, comma-separated; inf: all "
-                   "prompts at once")
+    p.add_argument("--shapes", default="2048x256,8192x512@1/2/4/inf",
+                   help="INPUTxOUTPUT token lengths, comma-separated; a shape may name its own rates after @ "
+                        "(/-separated; the default's 8k shape saturates at lower rates)")
+    p.add_argument("--rates", default="4,8,16,inf", help="request rates in requests/s, comma-separated, for the "
+                   "shapes that name none; inf: all prompts at once")
     p.add_argument("--num-prompts", type=int, default=128, help="requests per row")
     p.add_argument("--layers", type=int, default=16, help="model layers (DeepSeek-V3 has 61)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="the server's --max-num-seqs")
@@ -736,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is stopped at the end (keep it ~60 s under the device call's limit)")
     p.add_argument("--server-timeout", type=float, default=600, help="seconds to wait for the server's /health")
     p.add_argument("--start-estimate-s", type=float, default=150, help="a server start, for --budget-s")
-    p.add_argument("--row-margin-s", type=float, default=60,
+    p.add_argument("--row-margin-s", type=float, default=45,
                    help="a row's time past its arrivals (num_prompts / rate), for --budget-s")
     p.add_argument("--smoke", action="store_true",
                    help="CUTE_MLA, 2048x256, rates 4 and inf, 32 prompts, 16 layers, bf16, no speculation "
@@ -758,8 +765,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.backends = parse_list(args.backends, "--backends")
         args.kv_cache_dtypes = parse_list(args.kv_cache_dtypes, "--kv-cache-dtypes", KV_CACHE_DTYPES)
         args.spec = parse_spec(args.spec)
-        args.shapes = parse_shapes(args.shapes)
         args.rates = parse_rates(args.rates)
+        args.shapes = parse_shapes(args.shapes, args.rates)
         for name in ("num_prompts", "layers", "max_num_seqs", "max_batched_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -790,11 +797,11 @@ def main(argv=None) -> int:
             print("server: " + " ".join(server_command(args, backend, kv, spec, 8000)[0]))
         for line in skipped:
             print(f"skip (unsupported): {line}")
-        for shape in args.shapes:
-            for rate in args.rates:
+        for shape, rates in args.shapes.items():
+            for rate in rates:
                 print("client: " + " ".join(client_command(args, 8000, shape, rate, args.out_dir / "results",
                                                            "ROW.json")))
-        rows = len(configs) * len(args.shapes) * len(args.rates)
+        rows = len(configs) * sum(len(rates) for rates in args.shapes.values())
         print(f"model: {args.model_dir} ({args.layers} layers); servers: {len(configs)}; rows: {rows}")
         return 0
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
