@@ -729,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(/-separated; the default's 8k shape saturates at lower rates)")
     p.add_argument("--rates", default="4,8,16,inf", help="request rates in requests/s, comma-separated, for the "
                    "shapes that name none; inf: all prompts at once")
-    p.add_argument("--num-prompts", type=int, default=128, help="requests per row")
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="requests per row (inf sends them all at once: 128 with --max-num-seqs 128 fills the batch)")
     p.add_argument("--layers", type=int, default=16, help="model layers (DeepSeek-V3 has 61)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="the server's --max-num-seqs")
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="the server's --max-num-batched-tokens")
