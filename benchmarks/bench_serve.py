@@ -483,7 +483,12 @@ def _tag(*parts) -> str:
     return "_".join(str(p) for p in parts).replace(":", "-").replace("/", "-").replace("=", "-").replace(".", "p")
 
 
+INCOMPLETE = 75  # exit status when --budget-s stopped the call before every row was run: run it again
+
+
 def run(args) -> int:
+    """Every configuration's pending rows; 0 when all ran, 1 when some failed, INCOMPLETE when the budget ended
+    the call first."""
     rows_path = args.out_dir / "rows.csv"
     configs, skipped = configurations(args)
     for line in skipped:
@@ -506,21 +511,23 @@ def run(args) -> int:
         if budget.left() < args.start_estimate_s + first:
             print(f"budget: {budget.left():.0f} s left, not starting {label} (start ~{args.start_estimate_s:.0f} s "
                   f"+ first row ~{first:.0f} s); re-run to resume", flush=True)
-            break
+            return INCOMPLETE
         port = free_port()
         cmd, env = server_command(args, backend, kv, spec, port)
         tag = _tag(backend, kv, f"ngram{spec}", f"L{args.layers}")
         print(f"server: {label} on {HOST}:{port} ({len(todo)} rows to run)", flush=True)
+        current = todo[0][2]  # the row an error of the server is recorded against
         try:
             with Server(cmd, env, logs / f"server_{tag}.log", port) as server:
                 start_s = server.wait_healthy(min(args.server_timeout, max(1.0, budget.left())))
                 print(f"  healthy after {start_s:.0f} s", flush=True)
                 for shape, rate, key in todo:
+                    current = key
                     estimate = row_estimate_s(args, shape, rate)
                     if budget.left() < estimate:
                         print(f"budget: {budget.left():.0f} s left, row {shape[0]}x{shape[1]} rate {rate} needs "
                               f"~{estimate:.0f} s; re-run to resume", flush=True)
-                        return 1 if failures else 0
+                        return INCOMPLETE
                     name = f"{tag}_{shape[0]}x{shape[1]}_r{_tag(rate)}_n{args.num_prompts}.json"
                     (results / name).unlink(missing_ok=True)
                     client = client_command(args, port, shape, rate, results, name)
@@ -531,7 +538,7 @@ def run(args) -> int:
                     if rc is None:
                         print(f"budget: stopped the client of {shape[0]}x{shape[1]} rate {rate} at the budget "
                               f"(row not kept); re-run to resume", flush=True)
-                        return 1 if failures else 0
+                        return INCOMPLETE
                     if rc != 0 or not (results / name).exists():
                         row = {**key, **meta, "error": f"vllm bench serve exit {rc}: "
                                + tail(logs / f"client_{name[:-5]}.log", 300).replace("\n", " | ")}
@@ -539,6 +546,7 @@ def run(args) -> int:
                         row = {**row_from_result(json.loads((results / name).read_text()), key), **meta}
                     append_row(rows_path, row)
                     failures += bool(row.get("error"))
+                    current = None  # recorded
                     print(f"  row {shape[0]}x{shape[1]} rate {rate}: {time.monotonic() - t0:.0f} s, "
                           + (f"ERROR {row['error'][:200]}" if row.get("error") else
                              f"{row['output_throughput']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms"), flush=True)
@@ -548,8 +556,9 @@ def run(args) -> int:
         except RuntimeError as e:
             failures += 1
             print(f"  server ERROR: {str(e)[-1500:]}", flush=True)
-            append_row(rows_path, {**todo[0][2], "gpu": gpu, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                   "error": str(e)[-300:].replace("\n", " | ")})
+            if current is not None:
+                append_row(rows_path, {**current, "gpu": gpu, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                       "error": str(e)[-300:].replace("\n", " | ")})
     return 1 if failures else 0
 
 
