@@ -190,27 +190,34 @@ def backend_support(name: str) -> tuple[str, list[str] | None, str | None]:
 
 def _support_from_source(qualname: str) -> tuple[str, list[str] | None, str | None]:
     """backend_support's attributes from the source of the module that defines ``qualname`` (module.Class),
-    without importing it: the class's literal ``supported_kv_cache_dtypes`` and the ``QueryLenSupport.X`` its
-    module's builder class assigns."""
+    without importing it: the class's literal ``supported_kv_cache_dtypes``, and the ``QueryLenSupport.X`` of the
+    builder class its ``get_builder_cls`` returns (both defined in that module)."""
     import ast
     import importlib.util
 
     module, _, class_name = qualname.rpartition(".")
     tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-    dtypes, support = None, None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.ClassDef):
-            continue
-        for stmt in node.body:
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def assigned(cls: ast.ClassDef | None, name: str) -> ast.expr | None:
+        for stmt in cls.body if cls else ():
             target = stmt.target if isinstance(stmt, ast.AnnAssign) else (
                 stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None)
-            if not isinstance(target, ast.Name) or stmt.value is None:
-                continue
-            if node.name == class_name and target.id == "supported_kv_cache_dtypes":
-                dtypes = list(ast.literal_eval(stmt.value))
-            elif target.id == "query_len_support" and isinstance(stmt.value, ast.Attribute):
-                support = stmt.value.attr
-    return class_name, dtypes, support
+            if isinstance(target, ast.Name) and target.id == name and stmt.value is not None:
+                return stmt.value
+        return None
+
+    backend = classes.get(class_name)
+    dtypes = assigned(backend, "supported_kv_cache_dtypes")
+    builder = None
+    for stmt in backend.body if backend else ():
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == "get_builder_cls":
+            returns = [n.value for n in ast.walk(stmt) if isinstance(n, ast.Return)]
+            if returns and isinstance(returns[0], ast.Name):
+                builder = classes.get(returns[0].id)
+    support = assigned(builder, "query_len_support")
+    return (class_name, None if dtypes is None else list(ast.literal_eval(dtypes)),
+            support.attr if isinstance(support, ast.Attribute) else None)
 
 
 def unsupported(backend: str, kv_cache_dtype: str, spec: int) -> str | None:

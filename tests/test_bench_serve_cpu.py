@@ -133,14 +133,20 @@ def _vllm_check(out_dir: str) -> None:
         "vllm.v1.attention.backends.mla.flashattn_mla.FlashAttnMLABackend")[1:] == (
         ["auto", "float16", "bfloat16"], "VARLEN")
 
+    # the parsers of vLLM's CLI itself: `vllm serve` and `vllm bench serve` (the same classes in 0.26 and 0.32)
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    serve = ServeSubcommand()
     for backend, kv, spec in (("CUTE_MLA", "fp8", 1), ("FLASHMLA", "auto", 0)):
         cmd, _ = bench.server_command(args, backend, kv, spec, 9001)
-        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[4:])  # after `python -m ... serve`
-        validate_parsed_serve_args(ns)
+        parser = FlexibleArgumentParser()
+        serve.subparser_init(parser.add_subparsers(dest="subparser"))
+        assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        ns = parser.parse_args(cmd[3:])  # from `serve` on
+        serve.validate(ns)
         assert (ns.host, ns.port, ns.load_format, ns.enable_prefix_caching) == ("127.0.0.1", 9001, "dummy", False)
         ns.model = ns.model_tag
         config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
@@ -153,12 +159,11 @@ def _vllm_check(out_dir: str) -> None:
         else:
             assert config.speculative_config is None
 
-    from vllm.benchmarks.serve import add_cli_args
-
     parser = FlexibleArgumentParser()
-    add_cli_args(parser)
+    BenchmarkServingSubcommand.add_cli_args(parser)
     cmd = bench.client_command(args, 9001, (8192, 512), "inf", Path(out_dir), "r.json")
-    ns = parser.parse_args(cmd[5:])  # after `python -m ... bench serve`
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    ns = parser.parse_args(cmd[5:])  # after `bench serve`
     assert (ns.backend, ns.base_url, ns.endpoint, ns.dataset_name) == (
         "vllm", "http://127.0.0.1:9001", "/v1/completions", "random")
     assert (ns.random_input_len, ns.random_output_len, ns.ignore_eos, ns.seed, ns.num_prompts) == (
