@@ -804,6 +804,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only:
+        if not read_rows(args.out_dir / "rows.csv"):
+            print(f"--report-only: {args.out_dir / 'rows.csv'} holds no rows", file=sys.stderr)
+            return 2
         for path in render(args.out_dir):
             print(path)
         return 0

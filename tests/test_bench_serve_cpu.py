@@ -277,6 +277,7 @@ def test_report_from_a_synthetic_csv(tmp_path):
     assert bench.main(["--report-only", "--out-dir", str(tmp_path)]) == 0
     with pytest.raises(FileNotFoundError, match="no rows"):
         bench.render(tmp_path / "empty")
+    assert bench.main(["--report-only", "--out-dir", str(tmp_path / "empty")]) == 2
 
 
 # ---------------------------------------------------------------- a whole run against a stand-in server
