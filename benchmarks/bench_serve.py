@@ -637,7 +637,7 @@ def render_markdown(rows: list[dict], errors: list[dict]) -> str:
         spec = key[3] > 0
         lines += [f"## {_group_title(key)}", "",
                   "| backend | rate (req/s) | prompts | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | "
-                  "TPOT p99 | ITL p50 | ITL p99 |" + (" accepted / draft |" if spec else ""),
+                  "TPOT p99 | ITL p50 | ITL p99 |" + (" drafts accepted % |" if spec else ""),
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spec else "")]
         for r in group:
             lines.append(f"| {_label(r)} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} | "
