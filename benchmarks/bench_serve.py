@@ -19,7 +19,9 @@ the first token; ITL is the gap between streamed chunks, so with speculation a c
 Rows append to ``DIR/rows.csv`` as each finishes; a re-run skips the rows already there (same backend, KV dtype,
 n-gram, layers, shape, rate, prompts and max_num_seqs) and starts no server whose rows are all done. ``--budget-s``
 ends a call before a device limit cuts it: no row starts that its estimate says would not finish, the client is
-stopped at the budget, and the server is always stopped (its process group, also on errors and SIGTERM).
+stopped at the budget, and the server is always stopped (its process group, also on errors and SIGTERM). Exit
+status: 0 every row ran, 1 some row or server failed (the report lists it; a re-run tries it again), 75 the budget
+ended the call first (run the same command again).
 """
 
 from __future__ import annotations
