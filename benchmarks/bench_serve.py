@@ -385,9 +385,9 @@ def tail(path: Path, n: int = 4000) -> str:
 
 class Server:
     """``vllm serve`` in its own process group, its output in ``log_path``; ``wait_healthy`` polls /health.
-    ``stop`` (also on leaving the ``with`` block) interrupts the whole group, then kills what is left."""
+    ``stop`` (also on leaving the ``with`` block) terminates the whole group, then kills what is left."""
 
-    GRACE_S = 30.0  # from SIGINT to SIGKILL
+    GRACE_S = 30.0  # from SIGTERM to SIGKILL
 
     def __init__(self, cmd: list[str], env: dict, log_path: Path, port: int):
         self.cmd, self.env, self.log_path, self.port = cmd, env, log_path, port
@@ -423,11 +423,12 @@ class Server:
                            f"{tail(self.log_path)}")
 
     def stop(self) -> None:
-        """SIGINT to the process group (vLLM shuts its engine down), SIGKILL to what is left after GRACE_S."""
+        """SIGTERM to the process group (vLLM shuts its engine down; SIGINT would be ignored by a server started
+        under a shell's background job), SIGKILL to what is left after GRACE_S."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group's id is the server's pid
-        for sig, wait_s in ((signal.SIGINT, self.GRACE_S), (signal.SIGKILL, 30.0)):
+        for sig, wait_s in ((signal.SIGTERM, self.GRACE_S), (signal.SIGKILL, 30.0)):
             if not _group_alive(self.proc, pgid):
                 break
             with contextlib.suppress(ProcessLookupError):

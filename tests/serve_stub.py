@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -74,15 +75,16 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--child-pid-file")
     args, _ = parser.parse_known_args()
-    # the "engine core": it ignores SIGINT, so only the process group's SIGKILL ends it
-    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
-                              "signal.SIG_IGN); time.sleep(600)"])
+    # the "engine core": it ignores SIGTERM and SIGINT, so only the process group's SIGKILL ends it
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
     if args.child_pid_file:
         with open(args.child_pid_file, "w") as f:
             f.write(str(child.pid))
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
-    with contextlib.suppress(KeyboardInterrupt):  # SIGINT: the way bench_serve.py stops a server
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # bench_serve.py stops a server with SIGTERM
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
     return 0
 

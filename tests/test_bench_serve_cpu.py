@@ -286,7 +286,7 @@ def test_report_from_a_synthetic_csv(tmp_path):
 @needs_vllm
 def test_run_with_vllm_bench_serve_against_a_stub_server(tmp_path, monkeypatch, capsys):
     """The run loop end to end with the real client: the server waited for on /health, one row per rate appended,
-    the server's whole process group stopped (its child ignores SIGINT), the report written; a second run skips
+    the server's whole process group stopped (its child ignores SIGTERM), the report written; a second run skips
     every row and starts no server; a budget too small for a server start starts none."""
     bench = _bench()
     child_pid_file = tmp_path / "child.pid"
