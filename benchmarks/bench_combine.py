@@ -14,7 +14,7 @@ every tile's output is checked against a float32 merge of the same partials firs
 
 The partials of a split are read right after the split kernel wrote them, so they are L2 hits in serving: the
 graph replays the same partials (no rotation past L2). A process's times of one cell can differ between
-processes by up to 2x for some cells (benchmarks/NOTES.md "combine tiles"): compare tiles within one run.
+processes by up to 2x for some cells (docs/perf/combine.md): compare tiles within one run.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
 B 32 / 128) prefill for minutes: pass ``--prefix-caching`` so that only the warm-up generation prefills.
 
 One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
-``DIR/rows.jsonl`` and ``--report`` renders them all. First H100 runs: benchmarks/NOTES.md (2026-11-24).
+``DIR/rows.jsonl`` and ``--report`` renders them all. H100 runs: docs/perf/e2e_and_host.md.
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ one CTA per SM).
 
 Per cell (the kernel benchmark's uniform and ragged batches, benchmarks/bench_decode.py ``ragged_seq_lens``):
 
-* ``w order``: the balanced plan's items launched in order of w (Triton, cute_sm100; cute_sm90 before session 18);
-* ``longest first``: the same items launched longest first (cute_sm90's step plan since session 18);
+* ``w order``: the balanced plan's items launched in order of w (Triton, cute_sm100; cute_sm90 before 2026-11-26);
+* ``longest first``: the same items launched longest first (cute_sm90's step plan since 2026-11-26);
 * ``contiguous``: what a persistent grid could do (FlashMLA's scheduler does this): W = SMs / m-blocks CTA slots
   each take one contiguous share of the batch's concatenated KV tiles, crossing request boundaries, and pay the
   fixed cost once per request piece they hold. No split cap; the partials and the combine are not modelled
   (a request split n ways writes n partials in either design).
 
 All in units of one KV tile (64 keys for one m-block). ``ideal``: every tile spread evenly, no fixed cost.
-Written to size the persistent split kernel of issue 11 (benchmarks/NOTES.md, session 18) before building it.
+Written to size the persistent split kernel of issue 11 (docs/perf/split_plan.md) before building it.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "under the other's wgmma), `lockstep` (both on every tile; the v3 kernel) or `seesaw32` (the seesaw's "
            "order on the two 32-key halves of each tile, so the next tile loads meanwhile: 3-7% faster where a CTA "
            "runs 8-32 tiles, e.g. batch 8-32 at 4k-8k tokens, q_len 1; slower with fewer or many more tiles per CTA "
-           "and at q_len 2; benchmarks/NOTES.md, session 21).",
+           "and at q_len 2; docs/perf/cute_sm90_bf16.md).",
            kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
@@ -182,7 +182,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "vLLM: `1` starts compiling the CuTe-DSL variants the engine's decode will launch in background "
            "processes at model construction (into `CUTE_MLA_CUTE_CACHE`) instead of on their first call. Off by "
            "default: on an H100 host it hid the ~9-12 s compile but did not shorten a cold start (the build "
-           "competes with torch.compile; docs/STATUS.md).", kind="bool"),
+           "competes with torch.compile; docs/perf/e2e_and_host.md).", kind="bool"),
     EnvVar("CUTE_MLA_XQA_CACHE", "",
            "Directory of the xqa_sm120 cubins built by nvcc (default `~/.cache/mla_backend_plugin/xqa`).",
            kind="path"),

@@ -115,9 +115,9 @@ def _vllm_check(out_dir: str) -> None:
     from vllm_cpu_harness import install_fake_gpu
 
     install_fake_gpu()
-    import mla_backend_plugin
+    from mla_backend_plugin.vllm.register import register
 
-    mla_backend_plugin.register()
+    register()
     bench = _bench()
     args = bench.parse_args(["--out-dir", out_dir])
     bench.write_model_dir(args.model_dir, args.layers)

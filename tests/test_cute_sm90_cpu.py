@@ -636,7 +636,7 @@ def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):
 ])
 def test_a_config_without_a_split_cap_fills_one_wave(heads, q_len, batch, capacity, want, want_long):
     """cute_sm90 raises the default split cap to W // batch within the workspace's split capacity, so a B=1 step
-    fills the wave (benchmarks/NOTES.md, session 20); the grid stays within W items per m-block, so the fused
+    fills the wave (docs/perf/split_plan.md); the grid stays within W items per m-block, so the fused
     combine still serves it; a config with its own cap keeps it. Where batch x cap >= B + W - 1 it also gets the
     capacity as its long cap (ops/plan.py balanced_schedule), which leaves the grid as it was."""
     from mla_backend_plugin.ops import MLAWorkspace

@@ -330,7 +330,7 @@ def _check_balanced_split_list(inp, lens, q_len, heads, split_capacity=None):
     _check(inp, workspace=ws)
     if KERNEL != "cute_sm90":
         return None, None  # triton's list is checked bit for bit in the interpreter (tests/test_planner_balanced.py)
-    mode = envs.CUTE_MLA_SM90_PLAN  # the whole file may run under any (docs/STATUS.md)
+    mode = envs.CUTE_MLA_SM90_PLAN  # the whole file may run under any (docs/perf/split_plan.md)
     shape = SimpleNamespace(batch=batch, q_len=q_len)
     config = cute_launch.wave_filling_config(shape, ws, LaunchConfig(split_plan=mode))
     plan = ws.plan_for(shape, PlanTile(CUTE_BLOCK_M, CUTE_BLOCK_N), config)

@@ -276,7 +276,7 @@ def test_long_cap_splits_only_the_critical_request():
     at B=8 had 32 items of 16 tiles while every other item held 8 (p = 10): it now takes 52 items of 10 tiles, the
     others unchanged, and the modelled step is shorter with the grid as it was. Where its items at the cap stay
     within 1.5 p (one-long B=16 at 32k: 16 tiles against p = 12; one-long B=8 at 8k; uniform batches) nothing
-    changes, which is where raising the cap for every request cost 4-9% (benchmarks/NOTES.md, session 21)."""
+    changes, which is where raising the cap for every request cost 4-9% (docs/perf/split_plan.md)."""
     def plans(lens):
         base = plan_splits(len(lens), 1, 128, ROWS, NUM_SMS, balanced=True)
         long = plan_splits(len(lens), 1, 128, ROWS, NUM_SMS, balanced=True, long_splits=64)
@@ -331,8 +331,8 @@ def test_combine_tiles_cover_whole_rows(heads, q_len):
 
 
 def test_combine_tiles_of_the_benchmark_shapes():
-    """The shapes the combine tiles were measured for (H100, 128 heads, q_len 1, benchmarks/NOTES.md "combine
-    tiles"): B=4 (J_max 4) 2 rows x 16 splits a round; B=128 (J_max 65) 16 rows x 1 (a grid of 520 CTAs)."""
+    """The shapes the combine tiles were measured for (H100, 128 heads, q_len 1, docs/perf/combine.md):
+    B=4 (J_max 4) 2 rows x 16 splits a round; B=128 (J_max 65) 16 rows x 1 (a grid of 520 CTAs)."""
     small = plan_splits(4, 1, 128, ROWS, NUM_SMS, max_splits=32, balanced=True)
     large = plan_splits(128, 1, 128, ROWS, NUM_SMS, max_splits=32, balanced=True, long_splits=64)
     assert (small.combine_rows, small.combine_split_block) == (2, 16)

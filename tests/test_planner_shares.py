@@ -256,7 +256,7 @@ def test_auto_choice_matches_reference(heads, q_len, num_sms, max_splits, block_
     ("long-tail", 64, 32768, 1, False), ("none", 128, 1024, 1, False), ("none", 32, 8192, 1, False),
     ("none", 1, 32768, 4, False)])
 def test_auto_choice_on_the_measured_cells(kind, batch, seq_len, q_len, shares):
-    """The choice on the benchmark's cells measured both ways on the H100 (benchmarks/NOTES.md, session 19):
+    """The choice on the benchmark's cells measured both ways on the H100 (docs/perf/split_plan.md):
     shares where it was 8-25% faster (one long request among 1k ones at 8k: the balanced items are W + a few of
     16 tiles), balanced where shares was slower or even (uniform batches: up to 1.31x slower at B=128 S=1k; long
     tails; the split cap binding at 32k)."""

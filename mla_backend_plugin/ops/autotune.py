@@ -58,7 +58,7 @@ _STICKY_CUDA_ERRORS = ("illegal memory access", "illegal instruction", "misalign
 
 # The length distributions a key is timed on. Under full CUDA graphs one choice serves every step of its (batch,
 # longest length) bucket whatever the other lengths are, and uniform lengths alone miss that one long request among
-# short ones wants more splits (H100, fp8 B=8 at 32k: the uniform choice 1.11x the best; benchmarks/NOTES.md,
+# short ones wants more splits (H100, fp8 B=8 at 32k: the uniform choice 1.11x the best; docs/perf/tuner.md,
 # 2026-11-24). The choice is the candidate whose worst ratio to a profile's best is lowest (``tuned.choose_minimax``).
 LENGTH_PROFILES = ("uniform", "one-long")
 ONE_LONG_SHORT = 1024  # the short requests of "one-long" (bench_decode.py --ragged one-long's default)

@@ -55,11 +55,11 @@ class LaunchConfig:
 
     # "balanced" | "uniform" | "shares" | "auto" (cute_sm90: the balanced plan's bounds with requests split at the
     # boundaries of equal shares of the step's tiles; auto: that when the balanced items leave a wave gap): how
-    # split-KV work is spread (ops/workspace.py)
+    # split-KV work is spread (ops/plan.py)
     split_plan: str = "balanced"
     max_splits: int | None = None  # cap on splits per request; None = the workspace's
     # balanced plan: the cap for a request the max_splits cap would leave as the step's critical path (its items
-    # over 1.5x the plan's tiles per item: ops/workspace.py balanced_schedule); None = max_splits for all
+    # over 1.5x the plan's tiles per item: ops/plan.py balanced_schedule); None = max_splits for all
     long_splits: int | None = None
     min_chunk: int | None = None  # tokens; the smallest chunk a request is split into; None = the workspace's
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)

@@ -25,7 +25,7 @@ import dataclasses
 from mla_backend_plugin.ops.constants import KV_LORA_RANK, SHARE_REQUEST_COST
 
 # Split the KV sequence until the grid has this many CTAs per SM: the Triton, CuTe and XQA tiles each fill an
-# SM's shared memory, so one CTA is resident per SM (measured against 2 and 4: benchmarks/NOTES.md, Triton v3).
+# SM's shared memory, so one CTA is resident per SM (measured against 2 and 4: docs/perf/triton.md).
 TARGET_CTAS_PER_SM = 1
 MAX_SPLITS = 32
 # The most splits per request any plan may use (LaunchConfig.max_splits <= 64: the CuTe schedule packs
@@ -86,7 +86,7 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
     ``balanced_schedule`` for every seq_lens: sum_b cdiv(tiles_b, p) < T / p + batch <= W + batch. So at most
     W - 1 CTAs per m-block exit at once (about one per SM, whatever the batch) - the trade-off against a
     (batch, m_blocks, Z) grid, whose batch * m_blocks * (Z - 1) empty CTAs cost measurably at large batches of
-    short requests (benchmarks/NOTES.md). Split requests each have tiles_b > p >= T / W, so there are at most
+    short requests (docs/perf/split_plan.md). Split requests each have tiles_b > p >= T / W, so there are at most
     J_max = min(batch, W - 1) of them (J of them), and their items (the partial slots) number
     NS <= sum_split (tiles_b + p - 1) / p <= (T - (batch - J) + J (p - 1)) / p <= W + J - batch / p < W + J,
     so max_slots = min(W + J_max - 1, batch * max_splits): no more than the uniform plan's worst case.
@@ -128,8 +128,7 @@ def plan_splits(batch: int, q_len: int, num_heads: int, rows_per_cta: int, num_s
 def combine_tiles(rows: int, j_max: int, max_splits: int, num_sms: int) -> dict:
     """The balanced combine's tile (SplitPlan's combine_* fields) for ``rows`` = q_len * H query rows of up to
     ``j_max`` split requests (the grid is rows / combine_rows x J_max x combine_col_blocks) of up to
-    ``max_splits`` splits each. Measured on an H100 over the benchmark cells' split lists (benchmarks/NOTES.md
-    "combine tiles"):
+    ``max_splits`` splits each. Measured on an H100 over the benchmark cells' split lists (docs/perf/combine.md):
 
     * Up to 16 x 128 row-requests (rows x J_max): 2 rows of all 512 columns a CTA, the more splits a round the
       fewer requests. A tile of fewer than 1024 outputs leaves the 128 threads fewer columns than their 8-wide
@@ -139,7 +138,7 @@ def combine_tiles(rows: int, j_max: int, max_splits: int, num_sms: int) -> dict:
       CTAs (it launches whole for a step of J = 0). A step with one long request among short ones then merges its
       splits with Q_LEN * H / 16 CTAs one round after another (10-19 us at B=64-128 S=32k where 2-row tiles take
       3-5): a second, few-request tile chosen by the device's J measured that, but its kernels made other cells
-      up to 1.6x slower (NOTES), so it is not here."""
+      up to 1.6x slower (docs/perf/combine.md), so it is not here."""
     row_requests = rows * j_max
     tile_rows = 2
     if row_requests <= 16 * 128:
@@ -191,7 +190,7 @@ class BalancedSchedule:
         """The launch order of a step-planned kernel (cute_sm90's ``StepPlanKernel``): work items by tiles,
         longest first, ties in order of w. CTAs start in launch order, so this is greedy longest-processing-time
         list scheduling: a long unsplit request no longer starts in the last wave of a batch with more items than
-        SMs (long-tail B=128: 1.5x shorter modelled step, benchmarks/NOTES.md session 18). Position r of the
+        SMs (long-tail B=128: 1.5x shorter modelled step, docs/perf/split_plan.md). Position r of the
         step's table holds item ``longest_first()[r]``."""
         return sorted(range(len(self.items)), key=lambda w: (-self.item_tiles(w), w))
 
@@ -230,7 +229,7 @@ def balanced_schedule(seq_lens, block_n: int, min_chunk: int, work_target: int, 
     1.5 p tiles (cdiv(tiles_b, NUM_SPLITS) > 3 p // 2, one multiply on the device) is the step's critical path
     while every other item holds about p (one 32k request among 1k ones at B=8: 32 items of 16 tiles, the rest
     8), so it may take up to LONG_SPLITS items (52 of 10). Only such a request: raising the cap for every request
-    cost 4-9% where it moved p by one tile and added partials (benchmarks/NOTES.md, session 21). cap_b is
+    cost 4-9% where it moved p by one tile and added partials (docs/perf/split_plan.md). cap_b is
     non-increasing in p, so I(p) stays non-increasing and the bisection holds.
 
     Request b is *split* iff n_b > 1. Work items (the grid's second axis, w = program id 1; the first axis is
@@ -328,7 +327,7 @@ def share_schedule(seq_lens, block_n: int, min_chunk: int, shares: int, max_spli
     which is FlashMLA's SM90 scheduler's split (written from its description, not its code) without its
     persistent CTAs: the items run longest first, one CTA each, and the GPU's block scheduler packs several
     short pieces into one SM's time while a long one runs (modelled within 0.5% of persistent CTAs that each run
-    one share, benchmarks/NOTES.md session 19)::
+    one share, docs/perf/split_plan.md)::
 
         tiles_b = max(cdiv(seq_len_b, BLOCK_N), 1)
         s_b     = sum_{b' < b} (tiles_b' + F) + F          # request b's tiles are [s_b, s_b + tiles_b) of the line
@@ -374,7 +373,7 @@ def prefers_shares(sched: BalancedSchedule, work_target: int) -> bool:
     step takes at least 2 a >= 1.6 T / W (a pigeonhole bound), where the share plan's pieces pack to about T / W:
     one long request among short ones at 8k (71 items of 16 tiles for 66 slots at B=64). Elsewhere the balanced
     plan's items already pack (long tails, uniform batches) and the share plan's extra splits and combine cost
-    more than they gain (benchmarks/NOTES.md, session 19: never chosen in a measured cell where it lost)."""
+    more than they gain (docs/perf/split_plan.md: never chosen in a measured cell where it lost)."""
     wide = _cdiv(4 * sched.total_tiles, 5 * work_target)
     return sum(1 for w in range(len(sched.items)) if sched.item_tiles(w) >= wide) > work_target
 

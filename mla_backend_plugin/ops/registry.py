@@ -25,7 +25,7 @@ from mla_backend_plugin.ops.manifest import KernelManifest
 
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
 # SM120/121). The reference is never chosen automatically.
-# On SM90 the CuTe kernel is faster than Triton (benchmarks/NOTES.md); xqa_sm120 is not (it runs on SM90 only for
+# On SM90 the CuTe kernel is faster than Triton (docs/perf/triton.md); xqa_sm120 is not (it runs on SM90 only for
 # testing). On SM100/103 two CuTe-DSL Blackwell kernels: FlashInfer's MLA decode (kernels/flashinfer; every vLLM
 # 0.26 install has flashinfer-python; its authors publish B200 numbers) first where it runs, and cute_sm100 (ours,
 # tcgen05 2-CTA MMA, TMEM) for what FlashInfer refuses (an fp8 cache with a 16-bit q, device-tensor scales, fp16

@@ -261,7 +261,7 @@ def fp8_query(setting: str, cc: tuple[int, int] | None) -> bool:
     ``auto`` / ``1`` / ``0``; ``cc`` is the GPU's compute capability, None without one). ``auto`` says yes on
     SM90: cute_sm90 design B then runs one e4m3 Q K^T product instead of a split q's two, 1.3x faster at large
     batch and at batch 1-2 faster than widening the cache, at the error of FlashMLA's fp8 path, which takes the
-    same q (benchmarks/NOTES.md, session 17). Elsewhere no such measurement exists: the model dtype stays."""
+    same q (docs/perf/cute_sm90_fp8.md). Elsewhere no such measurement exists: the model dtype stays."""
     if setting == "auto":
         return cc is not None and cc[0] == 9
     return setting == "1"

@@ -55,7 +55,7 @@ logger = logging.getLogger("mla_backend_plugin")
 MIN_SEQ_BUCKET = 512
 MAX_SEQ_BUCKET = 1 << 17
 # A candidate replaces the static choice only when it is at least this much faster (run-to-run spread of a
-# median is ~1% in one process; benchmarks/NOTES.md).
+# median is ~1% in one process; docs/perf/method.md).
 MIN_GAIN = 0.01
 # 2: a choice is the best worst case over the length profiles (ops/autotune.py LENGTH_PROFILES); format-1
 # entries were chosen on uniform lengths alone and are ignored

@@ -16,8 +16,8 @@ def request_splits(seq_len, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, B
     """Device half of split planning: (splits, chunk tokens) of a request (seq_len may be a block of them).
 
     BALANCED=False, the uniform plan: min(NUM_SPLITS, cdiv(seq_len, MIN_CHUNK)) splits
-    (ops/workspace.py ``uniform_request_splits``). BALANCED=True: ``per_work`` = p tiles of the balanced plan,
-    NUM_SPLITS the cap; the exact formula is in ops/workspace.py ``balanced_schedule``."""
+    (ops/plan.py ``uniform_request_splits``). BALANCED=True: ``per_work`` = p tiles of the balanced plan,
+    NUM_SPLITS the cap; the exact formula is in ops/plan.py ``balanced_schedule``."""
     if BALANCED:
         tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1)
         n = tl.minimum(tl.cdiv(tiles, per_work), NUM_SPLITS)
@@ -102,7 +102,7 @@ def combine_balanced_kernel(
     wrote to split_index[1 + 3 j:] (split_index[0] = J). SPLIT_BLOCK partials are loaded per iteration as one
     (ROWS, SPLIT_BLOCK, D_BLOCK) tile: at small batches a CTA merges all of its splits with one round of
     independent loads instead of a chain of n_b dependent ones (one L2 latency each). SPLITS_P2 covers the most
-    splits the plan gives a request (its long cap when it has one: ops/workspace.py balanced_schedule)."""
+    splits the plan gives a request (its long cap when it has one: ops/plan.py balanced_schedule)."""
     if USE_PDL:
         gdc_wait()  # launched as a programmatic dependent of the split kernel: wait for its partials
     j = tl.program_id(1)
@@ -164,7 +164,7 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
     * uniform plan: part = (request * q_len * H + row) * num_splits + split, the split count of each request
       recomputed here from seq_lens (``request_splits``, with the split kernel's ``block_n``);
     * balanced plan: part = slot * q_len * H + row, the split requests and their slots read from
-      ``workspace.split_index`` as the split kernel wrote it (ops/workspace.py ``balanced_schedule``).
+      ``workspace.split_index`` as the split kernel wrote it (ops/plan.py ``balanced_schedule``).
 
     ``use_pdl`` launches it as a programmatic dependent of the split kernel (it waits with griddepcontrol).
     """

@@ -10,7 +10,7 @@ Host side, importable without the DSL (a host that only loads prebuilt kernels h
 Device side (import cutlass):
 
 * ``scheduler.py``: the balanced split plan as the device computes it (``BalancedScheduler``), bit for bit
-  ``ops/workspace.balanced_schedule``;
+  ``ops/plan.balanced_schedule``;
 * ``epilogue.py``: the global-memory half of the epilogue (final output + LSE, or the partial in its slot of
   the workspace) and the dequantisation scales as a kernel reads them;
 * ``barriers.py``: named-barrier ids and an mbarrier ring with its phase arithmetic;

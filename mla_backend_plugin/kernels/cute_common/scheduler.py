@@ -1,6 +1,6 @@
 """The balanced split-KV plan as a CuTe kernel computes it on the device (``BalancedScheduler``, ``StepPlanKernel``).
 
-ops/workspace.py ``balanced_schedule`` is the Python reference; this is the same integer formula, bit for bit
+ops/plan.py ``balanced_schedule`` is the Python reference; this is the same integer formula, bit for bit
 (tests/test_planner_balanced.py emulates the warp algorithm on CPU against it; the GPU tests check the split
 list and the work items written on the device). A split kernel's grid is (m-blocks, work items). Two ways to
 get a CTA's item, both from seq_lens on the device, so a captured CUDA graph replays correctly with new lengths:
@@ -9,7 +9,7 @@ get a CTA's item, both from seq_lens on the device, so a captured CUDA graph rep
 * ``StepPlanKernel`` + ``read_item``: one small kernel (a warp per item) writes every item of the step into the
   workspace's ``work_items`` once, and every layer's split kernel loads its own (cute_sm90). The split kernel
   then holds none of the schedule's code (~1500 instructions fetched cold per CTA) and starts its KV loads one
-  dependent load after its PDL wait instead of three passes over seq_lens (benchmarks/NOTES.md, session 16).
+  dependent load after its PDL wait instead of three passes over seq_lens (docs/perf/split_plan.md).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class BalancedScheduler:
         """This CTA's work item: (request + 1, or 0 past the schedule's end; request b; its seq_len; its splits;
         the partial slot of its split 0 (= w - split: a split request's slots are consecutive); the item's KV
         range [kv_start, kv_end) and tiles). The CTAs of m-block 0 also write the combine's list
-        (ops/workspace.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
+        (ops/plan.py balanced_schedule): J, then (b, S_b, n_b) of each split request."""
         b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, _, _ = self.plan_item_and_totals(
             mSeq, mSplitIndex, w, mblk, tidx, num_splits, min_chunk, work_target)
         return b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles
@@ -90,7 +90,7 @@ class BalancedScheduler:
 
     @cute.jit
     def launch_rank(self, mSeq: cute.Tensor, w, key, per_work, num_splits, num_slots, long_splits=None):
-        """Position of item w, of ``key`` tiles, in the launch order (ops/workspace.py
+        """Position of item w, of ``key`` tiles, in the launch order (ops/plan.py
         ``BalancedSchedule.longest_first``): the items with more tiles, plus those with as many and a smaller
         index. Request b's n_b items start at index f_b (S_b when split, else NS + #unsplit requests before b)
         and have ct_b tiles but the last, which has tiles_b - (n_b - 1) ct_b (ct_b when unsplit), so each lane
@@ -139,11 +139,11 @@ class BalancedScheduler:
         request; its chunk in tokens; its index j among split requests; J, the number of split requests; p, the
         tiles per item; NS, the partial slots).
 
-        The integer formula is ops/workspace.py ``balanced_schedule`` (the Triton kernel derives the same).
+        The integer formula is ops/plan.py ``balanced_schedule`` (the Triton kernel derives the same).
         Every warp derives it on its own from all of seq_lens (no shared memory or barrier), 128 requests per
         step: lane l holds requests 4l..4l+3 of the step, so one warp scan per step gives every request's count
         of earlier split requests and partial slots, and each lane has its 4 loads in flight at once (dependent
-        global loads are slow while the other SMs stream KV: benchmarks/NOTES.md, cute_sm90 v3)."""
+        global loads are slow while the other SMs stream KV: docs/perf/split_plan.md)."""
         batch = mSeq.shape[0]
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(per_work is None):
@@ -205,13 +205,13 @@ class BalancedScheduler:
 
     @cute.jit
     def per_work(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target, long_splits=None):
-        """p, the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule)."""
+        """p, the tiles per work item, with the one-wave search (ops/plan.py balanced_schedule)."""
         return self.per_work_and_total(mSeq, batch, lane, num_splits, min_chunk, work_target, long_splits)[0]
 
     @cute.jit
     def per_work_and_total(self, mSeq: cute.Tensor, batch, lane, num_splits, min_chunk, work_target,
                            long_splits=None):
-        """(p, T): the tiles per work item, with the one-wave search (ops/workspace.py balanced_schedule), and the
+        """(p, T): the tiles per work item, with the one-wave search (ops/plan.py balanced_schedule), and the
         batch's tiles. The search runs only for a batch of fewer requests than the wave whose items could
         overflow it; its bisection steps re-read seq_lens from L1."""
         # T = sum_b tiles_b, the shortest and the longest request's tiles
@@ -235,7 +235,7 @@ class BalancedScheduler:
         if batch < work_target and 2 * min_tiles >= p and batch * ((max_tiles + p - 1) // p) > work_target:
             # I(p) > W? then I(hi) <= W for hi bounded by 1.5 p? then bisect: a small state machine around one
             # evaluation of I, so the kernel holds one copy of its code (three inlined copies added ~1600
-            # instructions; benchmarks/NOTES.md, session 10)
+            # instructions; docs/perf/split_plan.md)
             lo = p
             hi = cutlass.min((total - batch + work_target - batch - 1) // (work_target - batch), max_tiles)
             hi = cutlass.min(hi, 3 * p // 2)
@@ -270,7 +270,7 @@ class BalancedScheduler:
     def leaves_wave_gap(self, mSeq: cute.Tensor, batch, lane, per_work, total, num_splits, work_target,
                         long_splits=None):
         """Whether the balanced plan's items with p = ``per_work`` (T = ``total`` tiles) leave a wave gap the
-        share plan closes (ops/workspace.py ``prefers_shares``): more than W items of at least cdiv(4 T, 5 W)
+        share plan closes (ops/plan.py ``prefers_shares``): more than W items of at least cdiv(4 T, 5 W)
         tiles. One pass over seq_lens (request b has n_b - 1 items of ct_b tiles and a last one)."""
         wide = (4 * total + 5 * work_target - 1) // (5 * work_target)
         lane_count = cutlass.Int32(0)
@@ -300,7 +300,7 @@ class BalancedScheduler:
     @cute.jit
     def request_chunks(self, seq_len, per_work, num_splits, long_splits=None):
         """(n_b, chunk_b in tokens) of one request; ``long_splits``: the long cap of a request whose items at
-        ``num_splits`` would hold over 1.5 p tiles (ops/workspace.py balanced_schedule)."""
+        ``num_splits`` would hold over 1.5 p tiles (ops/plan.py balanced_schedule)."""
         tiles = cutlass.max((seq_len + self.block_n - 1) // self.block_n, 1)
         cap = num_splits
         if cutlass.const_expr(long_splits is not None):
@@ -348,7 +348,7 @@ class BalancedScheduler:
 
 
 class ShareScheduler:
-    """The share plan on the device (ops/workspace.py ``share_schedule``, bit for bit): warp i of the plan kernel
+    """The share plan on the device (ops/plan.py ``share_schedule``, bit for bit): warp i of the plan kernel
     finds piece i (request order), writes it as a work item at its rank in the longest-first launch order (its
     partial slot as the 9th int, as ``BalancedScheduler.write_item``) and, for a split request's first piece, its
     entry of the split list. Three passes over seq_lens, lane l holding requests 4 l .. 4 l + 3 of each
@@ -550,7 +550,7 @@ class StepPlanKernel:
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()  # seq_lens may come from the previous kernel
         # the balanced plan's p first, in every mode (auto decides with it; one copy of each path's code: this
-        # kernel's time is mostly its cold instruction fetch, benchmarks/NOTES.md session 19)
+        # kernel's time is mostly its cold instruction fetch, docs/perf/split_plan.md)
         per_work, total = self.scheduler.per_work_and_total(mSeq, mSeq.shape[0], lane, num_splits, min_chunk,
                                                             work_target, long_splits)
         use_shares = shares > 0

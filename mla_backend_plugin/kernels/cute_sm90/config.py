@@ -21,7 +21,7 @@ Q_REG_CHUNKS = 2
 # setmaxnreg budgets: consumers hold a 64x256 fp32 O slice (128 regs) and their 64x32 half of the S tile (16).
 # The producer's and both consumers' budgets must sum to at most 504 (x 128 threads = the 64,512 registers a
 # 384-thread CTA holds at launch, 65,536 / 384 rounded down to 8), or setmaxnreg.inc waits forever (a 32-register
-# producer hung the kernel: benchmarks/NOTES.md, session 19; tests/test_cute_sm90_cpu.py checks it).
+# producer hung the kernel: docs/perf/cute_sm90_bf16.md; tests/test_cute_sm90_cpu.py checks it).
 SETMAXNREG_SUM = 65536 // NUM_THREADS // 8 * 8 * 3
 REGS_CONSUMER = 240
 REGS_PRODUCER_TMA = 24

@@ -3,7 +3,7 @@
 One CTA = one work item of the balanced split plan (a request, or one equal chunk of a long request) x 64
 query rows (q_len x heads folded into M, row r = token r // H, head r % H). The grid is (m-blocks, work
 items) and is fixed by shapes alone; every CTA derives its item from all of seq_lens on the device
-(``work_item``, the formula of ops/workspace.py ``balanced_schedule``), so a captured CUDA graph replays
+(``work_item``, the formula of ops/plan.py ``balanced_schedule``), so a captured CUDA graph replays
 correctly with new lengths, and one long request among short ones is split even when the batch fills the GPU.
 384 threads:
 
@@ -79,7 +79,7 @@ def exp_base(m):
 def scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc):
     """S x the row's scale, in place; keys at or past the row's limit become -inf (a NaN read there too); m_loc
     (per row half, in and out) takes the maxima of this thread's values. (A branch without the compare for
-    tiles inside every row's limit measured no faster on the H100: benchmarks/NOTES.md, session 10.)"""
+    tiles inside every row's limit measured no faster on the H100: docs/perf/cute_sm90_bf16.md.)"""
     for v in cutlass.range_constexpr(cute.size(tScS)):
         half = (v >> 1) & 1
         s = acc_s[v] * row_scale[half]
@@ -274,7 +274,7 @@ class Sm90MlaDecode:
         which TMA fills with zeros, so no stale or garbage block-table entry is ever dereferenced.
 
         The three producers (lock step, seesaw, fp8 design B) read a tile's first page id before they wait for
-        its stage, so the load's round trip overlaps the wait; measured neutral (session 21: the producer runs
+        its stage, so the load's round trip overlaps the wait; measured neutral (2026-11-27: the producer runs
         far enough ahead that the refills never waited on it), kept as the one page walk all producers share."""
         page = num_blocks
         if tok < kv_end:
@@ -358,9 +358,9 @@ class Sm90MlaDecode:
 
         Every thread issues all its 18 global loads before its first shared store, so the CTA pays one global
         round trip before its first wgmma: with a branch per piece (rows past q_len x H) ptxas kept loads and
-        stores interleaved, 6 round trips at the start of every CTA (B=1: 11% of the samples, benchmarks/NOTES.md
-        session 20). A thread keeps one column piece of 64 consecutive ones and walks rows, so the loads need no
-        branch: a row past the end reads the last valid row (in bounds) and is stored as zeros."""
+        stores interleaved, 6 round trips at the start of every CTA (B=1: 11% of the samples,
+        docs/perf/cute_sm90_bf16.md). A thread keeps one column piece of 64 consecutive ones and walks rows, so the
+        loads need no branch: a row past the end reads the last valid row (in bounds) and is stored as zeros."""
         H = self.v.num_heads
         QL = self.v.q_len
         cd = self.cdtype
@@ -500,8 +500,8 @@ class Sm90MlaDecode:
                                  read_state):
         """O += P V over k-steps [k0, k0 + k_steps) of the tile in ``read_state``'s stage, P from shared memory;
         waits for it and releases the stage. The caller advances ``read_state``: CuTe-DSL hands a pipeline state
-        to a nested jit call as its values, so an advance here would move a copy (benchmarks/NOTES.md, session
-        21)."""
+        to a nested jit call as its values, so an advance here would move a copy
+        (docs/perf/cute_sm90_bf16.md)."""
         stage = read_state.index
         warpgroup.fence()
         for k in cutlass.range_constexpr(k_steps):
@@ -598,7 +598,7 @@ class Sm90MlaDecode:
         free once both groups' wgmmas have retired: they did before the row-sum barrier) and leaves as whole
         rows of 16-byte stores in a loop. Stored straight from the accumulators, the epilogue was ~3000
         instructions of unrolled scalar stores run once per CTA, and its instruction fetches (stall "no
-        instruction") were most of a short item's time (benchmarks/NOTES.md, session 11)."""
+        instruction") were most of a short item's time (docs/perf/cute_sm90_bf16.md)."""
         lane = ctid % 32
         n_o = cute.size(acc_o)
         # each group summed its own 32 keys of every tile: add the other group's half

@@ -12,7 +12,7 @@ cache to bf16 in shared memory and runs bf16 wgmma); what differs:
 * Q (bf16) is quantised once per CTA to two e4m3 parts with a per-row scale s = 448 / max|q_row|:
   hi = e4m3(q s), lo = e4m3(q s - hi); S = (Q_hi + Q_lo) K^T / s (two fp8 SS wgmma per k-step of 32,
   m64n32k32, into one accumulator). An fp8 q is used as it is (one product, q_scale folded into the logit
-  scale). Q_hi alone failed the LSE tolerance (0.165 against 0.05: benchmarks/NOTES.md, cute_sm90 v3).
+  scale). Q_hi alone failed the LSE tolerance (0.165 against 0.05: docs/perf/cute_sm90_fp8.md).
 * P is quantised to e4m3 as P * 256 (the 1/256 is folded into the output normalisation) and stored in
   shared memory; O += P V^T as fp8 SS wgmma m64n256k32 (each consumer group its 256 output columns).
 
@@ -21,7 +21,7 @@ producer threads: V^T written), empty_k (256 consumer threads after Q K^T + 128 
 transpose: the K tile may be overwritten), empty_v (256 consumer threads after P V: the V^T stage may be
 overwritten). The consumers issue P V of tile j and Q K^T of tile j + 1 as one wgmma group.
 
-Speed and accuracy against design A, and why Q_lo is needed: benchmarks/NOTES.md (cute_sm90 v3, fp8 design B).
+Speed and accuracy against design A, and why Q_lo is needed: docs/perf/cute_sm90_fp8.md.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_TH
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
 
 F8 = cutlass.Float8E4M3FN
-STAGES = 2  # K and V^T rings (a third K stage, in the room a one-part Q leaves, was slower: NOTES session 17)
+STAGES = 2  # K and V^T rings (a third K stage, in the room a one-part Q leaves, was slower: docs/perf/cute_sm90_fp8.md)
 REGS_CONSUMER_B = 216
 REGS_PRODUCER_B = 72  # 2 x 216 + 72 = 504 = 65536 / 384 rounded down to 8: setmaxnreg.inc waits forever past that
 P_SCALE = 256.0  # P is stored as e4m3(P * 256): probabilities down to 2^-14 stay normal

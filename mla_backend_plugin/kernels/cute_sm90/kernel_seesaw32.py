@@ -3,7 +3,7 @@
 The seesaw (kernel_seesaw.py) computes two 64-key tiles at once, A in stage 0 by the left group and B in stage 1 by
 the right one. Each tile is K for one group's Q K^T and V for both groups' P V, so neither stage can be refilled
 before the pair's last P V: the next pair's loads start as this pair ends, and on the H100 37% of the warp samples
-wait for them (benchmarks/NOTES.md, session 20; docs/design/cute_sm90_v4.md 3.10). This schedule keeps the
+wait for them (docs/perf/cute_sm90_bf16.md; docs/design/cute_sm90_v4.md 3.10). This schedule keeps the
 seesaw's order inside one 64-key tile instead, with the lock-step kernel's layouts (kernel.py): the left group
 computes S over keys 0..31 of the tile, the right group over keys 32..63, and the tile's one stage is released
 after both groups' P V, while the producer fills the other stage with the next tile. So one tile is always in

@@ -67,8 +67,8 @@ def unsupported_reason(args, cc) -> str | None:
 # fp8 caches, CUTE_MLA_FP8_DESIGN=auto, 16-bit q: design A ("dequant") up to this batch, design B ("fp8mma")
 # above. At batch 1-2 each CTA has a few tiles and design B's fixed cost (q split into e4m3 hi + lo, a larger
 # kernel) outweighs its faster tiles: H100, B 1-2 x S 1k/8k x q_len 1/2, A took 19.4-46.9 us where B took
-# 27.7-50.7 (benchmarks/NOTES.md, session 12); from B=8 on B is faster (NOTES, cute_sm90 v3). An fp8 q has no
-# split to pay for: design B at every batch (B 1-2: 10-44% faster than A; NOTES, session 17).
+# 27.7-50.7; from B=8 on B is faster (docs/perf/cute_sm90_fp8.md). An fp8 q has no
+# split to pay for: design B at every batch (B 1-2: 10-44% faster than A; same file).
 FP8_DEQUANT_MAX_BATCH = 2
 
 
@@ -92,11 +92,11 @@ def default_config(args, cc) -> LaunchConfig:
 
 def configs(args, cc) -> list[LaunchConfig]:
     """The default, then: the other fp8 design (fp8 caches), PDL off, the other schedules (16-bit caches: seesaw32
-    is faster where a CTA runs 8-32 tiles, benchmarks/NOTES.md session 21; the lock step at B=8 in session 9's
-    A/B), each also with a larger split cap. All under the default's split plan (the share plan is not a tuner
-    candidate, benchmarks/NOTES.md session 19) and combine: the combine kernel after a grid that fits at once was
-    slower or equal in every cell measured (session 12: the fused combine 0.92x time geomean, no cell above
-    1.010x)."""
+    is faster where a CTA runs 8-32 tiles, docs/perf/cute_sm90_bf16.md; the lock step was faster at B=8 in an
+    earlier A/B), each also with a larger split cap. All under the default's split plan (the share plan is not a
+    tuner candidate, docs/perf/split_plan.md) and combine: the combine kernel after a grid that fits at once was
+    slower or equal in every cell measured (docs/perf/combine.md: the fused combine 0.92x time geomean, no cell
+    above 1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
@@ -158,7 +158,7 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
 
     # A split item stores its partial O / l in the output dtype, not fp32, as FlashInfer's MLA kernels do: a
     # 64-row CTA writes 64 KB instead of 128 KB (a bf16 KV tile is 72 KB) and the combine reads half, for one
-    # more rounding of the output dtype on each partial (benchmarks/NOTES.md, session 20). The LSEs stay fp32.
+    # more rounding of the output dtype on each partial (docs/perf/cute_sm90_bf16.md). The LSEs stay fp32.
     t = decode_tensors(variant, partial_dtype=DTYPES[variant.out_dtype])
     # row_kv_lens flattened ([B * q_len]); read only by row_kv_lens variants (others get seq_lens, unread)
     row_kv_lens = int32_vector()
@@ -221,12 +221,12 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     items idle when batch x 32 < W (the balanced plan's items per m-block: 66 at 128 heads and q_len 1 on 132
     SMs): at B=1 only 32 of the 66 slots. Such a config gets min(W // batch, the workspace's split capacity) instead
     (B=1: 64), so a one-request step fills the GPU: B=1 S=32k fp8 42.6 -> 30.8 us, bf16 51.2 -> 44.7
-    (benchmarks/NOTES.md, session 20). The grid stays within one wave (at most W items), so the fused combine still
+    (docs/perf/split_plan.md). The grid stays within one wave (at most W items), so the fused combine still
     serves it; the cap of 64 at B=2 (a grid bound of B + W - 1 = 67 items: 134 CTAs on 132 SMs, so the separate
     combine) cost 6-33% there. W comes from the memoised plan (launch checks the plan it runs with plan_for).
 
     Such a config also gets the split capacity as its long cap (SplitPlan.long_splits: a request whose items at
-    the cap would hold over 1.5x the plan's tiles per item may take up to that many; ops/workspace.py
+    the cap would hold over 1.5x the plan's tiles per item may take up to that many; ops/plan.py
     balanced_schedule) where the grid stays as it is: batch x cap >= batch + W - 1, so from B=3 at the default
     cap, never at B <= 2, whose fused combine needs the grid within one wave."""
     if config.max_splits is not None or not config.balanced:
@@ -269,5 +269,5 @@ def launch(args, workspace, config: LaunchConfig) -> None:
        softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, int(fused), stream)
     if plan.has_combine and not fused:
         # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
-        # cost B=1 q_len 2 more than it saved anywhere (benchmarks/NOTES.md, cute_sm90 v3)
+        # cost B=1 q_len 2 more than it saved anywhere (docs/perf/method.md, PDL)
         launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False, partial_dtype=args.out.dtype)

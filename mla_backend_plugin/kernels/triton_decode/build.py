@@ -81,7 +81,7 @@ def triton_variants(cc: int):
             for splits in (1, 8):
                 yield (f"triton_split h{num_heads} q{q_len} kv={kv_name} splits={splits}",
                        k._mla_decode_split_kernel, *triton_split_spec(cfg, num_heads, q_len, kv_name, splits, cc))
-            # the balanced work-item grid (the default split plan of the Triton path, ops/workspace.py)
+            # the balanced work-item grid (the default split plan of the Triton path, ops/plan.py)
             pointers, constexprs, options = triton_split_spec(cfg, num_heads, q_len, kv_name, 32, cc)
             yield (f"triton_split_balanced h{num_heads} q{q_len} kv={kv_name}", k._mla_decode_split_balanced_kernel,
                    {**pointers, "split_index_ptr": "*i32"}, constexprs | BALANCED_CONSTEXPRS, options)
@@ -99,7 +99,7 @@ def triton_variants(cc: int):
         yield (f"combine_uniform h128 q2 splits=8{' pdl' if use_pdl else ''}", combine.combine_uniform_kernel,
                pointers, constexprs, dict(num_warps=4))
     # the tiles of a large batch (16 rows, one split per round) and of a few split requests (2 rows, 16 splits at
-    # once: ops/workspace.py combine_tiles), over fp32 partials (Triton, cute_sm100) and partials in the output
+    # once: ops/plan.py combine_tiles), over fp32 partials (Triton, cute_sm100) and partials in the output
     # dtype (cute_sm90)
     for (rows, d_block, split_block), parts in itertools.product(((16, 512, 1), (2, 512, 16)), ("fp32", "bf16")):
         yield (f"combine_balanced h128 q1 rows={rows} cols={d_block} splits/round={split_block} parts={parts}",

@@ -23,7 +23,7 @@ class TritonDecodeConfig:
         return dataclasses.astuple(self)
 
 
-# Chosen by the tile sweep on an H100 (benchmarks/NOTES.md, Triton v2): 64 query rows x 64 keys on 8 warps for
+# Chosen by the tile sweep on an H100 (docs/perf/triton.md): 64 query rows x 64 keys on 8 warps for
 # >= 64 heads (half the CTAs re-read each KV tile from L2 compared with 32 rows); 16/32 heads keep tiles no
 # taller than their rows.
 _WIDE = TritonDecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)

@@ -6,7 +6,7 @@ Design (one CTA = one request x BLOCK_M query rows x one KV split):
 * the KV cache is gathered page by page through the block table; fp8 entries are widened to the q dtype
   (exact for e4m3) and the per-tensor scales are folded into the softmax scale and the final output;
 * split-KV is planned in two halves (graph-safe): the host fixes the grid from shapes, the device reads
-  seq_lens. By default the balanced plan (ops/workspace.py ``balanced_schedule``: every CTA reads all seq_lens
+  seq_lens. By default the balanced plan (ops/plan.py ``balanced_schedule``: every CTA reads all seq_lens
   and derives the same schedule of work items, so long requests get more splits than short ones); the uniform
   plan (``_mla_decode_split_kernel``) when the launch config asks for it (comparisons, the tuner);
 * an unsplit request's CTA writes the final output and LSE itself; split ones go through the fp32 partials
@@ -34,9 +34,9 @@ _COMPUTE_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 def _balanced_per_work(seq_lens_ptr, batch, WORK: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                        BLOCK_N: tl.constexpr, SCAN: tl.constexpr, ONE_WAVE: tl.constexpr):
     """p, the tiles per work item of the balanced schedule, with its one-wave search (the formula:
-    ops/workspace.py ``balanced_schedule``). ONE_WAVE (batch < WORK, known on the host) compiles the search in;
+    ops/plan.py ``balanced_schedule``). ONE_WAVE (batch < WORK, known on the host) compiles the search in;
     without it the kernel has none of its code (measured: the unused code alone cost the H100 build up to 8%
-    at B=64, q_len 2, where batch >= WORK; benchmarks/NOTES.md, session 10)."""
+    at B=64, q_len 2, where batch >= WORK; docs/perf/triton.md)."""
     total = 0
     min_tiles = 1 << 30
     max_tiles = 0
@@ -286,7 +286,7 @@ def _mla_decode_split_balanced_kernel(
     Q_SCALE_IS_PTR: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     D_NOPE: tl.constexpr, D_PE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_ROW_KV_LENS: tl.constexpr,
 ):
-    """Balanced plan (ops/workspace.py balanced_schedule): grid (m_blocks, G work items); a split item w stores
+    """Balanced plan (ops/plan.py balanced_schedule): grid (m_blocks, G work items); a split item w stores
     its partial to slot w (part = w * Q_LEN * H + row), an unsplit one writes the output."""
     m_blk = tl.program_id(0)
     w = tl.program_id(1)
