@@ -348,14 +348,5 @@ def hf_config(vocab_size: int, hidden_size: int = 256, intermediate_size: int = 
     }
 
 
-def expected_param_count(c: EvalModelConfig) -> int:
-    h = c.num_attention_heads
-    per_layer = (2 * c.hidden_size + c.hidden_size * h * c.qk_head_dim
-                 + c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
-                 + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * c.hidden_size
-                 + 3 * c.hidden_size * c.intermediate_size)
-    return 2 * c.vocab_size * c.hidden_size + c.hidden_size + c.num_hidden_layers * per_layer
-
-
 __all__ = ["EvalModel", "EvalModelConfig", "apply_rope", "greedy_answer", "hf_config", "num_parameters",
            "rope_cos_sin", "widen_heads"]
