@@ -292,7 +292,8 @@ def test_xqa_is_refused_when_the_lse_is_needed(importable):
 
 
 def test_mla_decode_return_lse_contract():
-    """return_lse=False returns (out, None) with the same out; lse= with return_lse=False is refused."""
+    """return_lse=False returns (out, None) with the same out (a given lse buffer is accepted, its contents
+    unspecified); return_lse must be a bool."""
     from mla_backend_plugin.ops import mla_decode
 
     inputs = make_decode_inputs(2, [40, 9], 1, 16, 16, torch.bfloat16, "cat", "cpu", 3)
@@ -300,10 +301,33 @@ def test_mla_decode_return_lse_contract():
     out, lse = mla_decode(*inputs.call_args(), **kw)
     out2, none = mla_decode(*inputs.call_args(), **kw, return_lse=False)
     assert none is None and lse.shape == (2, 16) and torch.equal(out, out2)
-    with pytest.raises(ValueError, match="mla_decode: lse: is given but return_lse=False"):
-        mla_decode(*inputs.call_args(), **kw, return_lse=False, lse=torch.empty(2, 16))
-    with pytest.raises(ValueError, match="mla_decode: return_lse: must be True or False"):
+    out3, none = mla_decode(*inputs.call_args(), **kw, return_lse=False, lse=torch.empty(2, 16))
+    assert none is None and torch.equal(out, out3)
+    with pytest.raises(ValueError, match="mla_decode: return_lse: must be True or False, got None"):
         mla_decode(*inputs.call_args(), **kw, return_lse=None)
+
+
+def test_tuned_shapes_keep_the_lse_need_apart(importable):
+    """A shape key says whether its calls read the LSE: the tuner lists the no-LSE kernel only for keys that do
+    not, the live table never hands a no-LSE key's choice to a call that needs the LSE, and old cache entries
+    (no "lse") read as needing it."""
+    from mla_backend_plugin.ops import autotune, tuned
+
+    needs, _ = _xqa_args(need_lse=True)
+    free, _ = _xqa_args(need_lse=False)
+    k_needs, k_free = tuned.ShapeKey.of(needs, RTX_PRO, 300), tuned.ShapeKey.of(free, RTX_PRO, 300)
+    assert k_needs.lse and not k_free.lse and k_needs.shape != k_free.shape
+    assert k_free.id() == k_needs.id() + " no-lse"
+    old = k_needs.as_dict()
+    del old["lse"]
+    assert tuned.ShapeKey.from_dict(old) == k_needs and tuned.ShapeKey.from_dict(k_free.as_dict()) == k_free
+    assert tuned._live_shape(free, RTX_PRO) == k_free.shape and tuned._live_shape(needs, RTX_PRO) == k_needs.shape
+    dep = autotune.Deployment(128, 1, "bf16", "bf16", "bf16", 64, (3,), (300,), lse=False)
+    assert [k.lse for k in dep.keys(RTX_PRO)] == [False]
+    found, _ = autotune.candidates_for(free, RTX_PRO, check=False)
+    assert "flashinfer_xqa" in {c.kernel for c in found}
+    found, refused = autotune.candidates_for(needs, RTX_PRO, check=False)
+    assert "flashinfer_xqa" not in {c.kernel for c in found} and "writes no LSE" in refused["flashinfer_xqa"]
 
 
 def test_self_check_of_a_kernel_without_lse_compares_out_alone(monkeypatch):

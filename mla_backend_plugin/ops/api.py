@@ -90,7 +90,8 @@ def mla_decode(
             once (cute_sm90's step-plan kernel) instead of once per call. None: each call plans for itself.
         return_lse: False when the caller does not use the LSE (no split-KV merge across ranks after the call):
             kernels that write no LSE (FlashInfer's SM120 XQA MLA decode) may then run, and None is returned in
-            its place; ``lse`` must then be None. True (the default): every kernel chosen writes it.
+            its place (a given ``lse`` buffer may or may not be written). True (the default): every kernel chosen
+            writes it.
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits, or

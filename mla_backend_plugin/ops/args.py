@@ -52,7 +52,8 @@ class DecodeArgs:
     # per step; not part of the signature (it changes every step, the decision does not)
     step: StepPlans | None = None
     # the caller reads the LSE (mla_decode's ``return_lse``): False lets a kernel that writes none
-    # (``KernelManifest.writes_lse = False``) run; kernels that write one still write it to ``lse``
+    # (``KernelManifest.writes_lse = False``) run; kernels that write one still write it to ``lse``, whose
+    # contents are then unspecified
     need_lse: bool = True
 
     @property
@@ -133,8 +134,6 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
     """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
     if not isinstance(need_lse, bool):
         fail("return_lse", f"must be True or False, got {need_lse!r}")
-    if lse is not None and not need_lse:
-        fail("lse", "is given but return_lse=False (no LSE is returned); pass lse=None or return_lse=True")
     q_nope, q_pe = _split_q(q)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
         if t.stride(-1) != 1:
