@@ -264,7 +264,7 @@ def test_xqa_refusals_name_the_reason(importable):
     assert why(_xqa_args(heads=64)[0], RTX_PRO) == "XQA's MLA kernel is built for 128 heads, the call has 64"
     assert why(_xqa_args(q_len=2)[0], RTX_PRO) == ("XQA's MLA kernel takes one query token per request, the call "
                                                    "has q_len 2")
-    for block_size in (16, 32, 128):
+    for block_size in (16, 32, 128):  # every page size mla_decode takes has an XQA build
         assert why(_xqa_args(block_size=block_size)[0], RTX_PRO) is None
     inputs = _xqa_args(block_size=32)[1]
     narrow = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table[:, :13].contiguous(), inputs.seq_lens,
@@ -375,9 +375,7 @@ def fake_xqa(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", pkg)
     monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
     monkeypatch.setattr(fi, "SHARED_BYTES", 1 << 20)
-    fi.xqa_api_parameters.cache_clear()
-    yield fake.calls
-    fi.xqa_api_parameters.cache_clear()
+    return fake.calls
 
 
 @pytest.mark.parametrize("q_form", ["cat", "pair"])

@@ -33,7 +33,8 @@ from mla_backend_plugin.ops.manifest import KernelManifest
 # autotuner ranks them where it has timed a shape. FlashInfer's trtllm-gen kernel is a tuner candidate only (it
 # downloads its cubins when they are not installed). On SM120/121 xqa_sm120 is the kernel written for them (99 KB
 # of shared memory, mma.sync); neither it nor Triton has run on SM120 hardware, so both pass the first-use
-# self-check before they are used there.
+# self-check before they are used there. FlashInfer's SM120 XQA MLA decode writes no LSE: a tuner candidate there
+# for shapes whose calls pass return_lse=False, never auto's choice.
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
     9: ("cute_sm90", "triton"),

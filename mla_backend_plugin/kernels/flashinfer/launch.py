@@ -55,9 +55,9 @@ SM100_FAMILY = 10
 SM120_FAMILY = 12
 # FlashInfer's XQA MLA decode: one JIT-compiled kernel per (dtype, page size) for 128 heads (HEAD_GRP_SIZE), one
 # query token per request, q and cache both bf16 or both e4m3 (flashinfer.xqa.gen_xqa_module_mla; what
-# _common_reason lets through: bf16 output, q in the cache's dtype)
+# _common_reason lets through: bf16 output, q in the cache's dtype), page size 16/32/64/128 (every one mla_decode
+# takes, ops/constants.py SUPPORTED_BLOCK_SIZES)
 XQA_NUM_HEADS = 128
-XQA_BLOCK_SIZES = (16, 32, 64, 128)
 
 
 @functools.cache
@@ -247,13 +247,6 @@ def launch_trtllm(args, workspace, config: LaunchConfig) -> None:
 # FlashInfer's SM120/SM121 XQA MLA decode (flashinfer.decode.xqa_batch_decode_with_kv_cache_mla)
 # --------------------------------------------------------------------------------------------------------
 
-@functools.cache
-def xqa_api_parameters() -> frozenset[str]:
-    """The parameters of the installed ``flashinfer.decode.xqa_batch_decode_with_kv_cache_mla``."""
-    flashinfer_decode = importlib.import_module("flashinfer.decode")
-    return frozenset(inspect.signature(flashinfer_decode.xqa_batch_decode_with_kv_cache_mla).parameters)
-
-
 def unsupported_reason_xqa(args, cc) -> str | None:
     why = _common_reason("XQA", args, cc, SM120_FAMILY, "SM120/SM121 (RTX PRO 6000 Blackwell, RTX 50, DGX Spark)")
     if why:
@@ -262,8 +255,6 @@ def unsupported_reason_xqa(args, cc) -> str | None:
         return f"XQA's MLA kernel is built for {XQA_NUM_HEADS} heads, the call has {args.num_heads}"
     if args.q_len != 1:
         return f"XQA's MLA kernel takes one query token per request, the call has q_len {args.q_len}"
-    if args.block_size not in XQA_BLOCK_SIZES:
-        return f"XQA takes block size {', '.join(map(str, XQA_BLOCK_SIZES))}, the cache has {args.block_size}"
     return _block_table_reason(args)  # FlashInfer checks the table as trtllm-gen 0.6's (whole 128-token tiles)
 
 
