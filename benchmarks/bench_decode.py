@@ -138,6 +138,7 @@ FP8_CACHE_MMA_DTYPES = {
     "cute_sm100": "fp8",
     "flashinfer_cute_dsl": "fp8",
     "flashinfer_trtllm": "fp8",
+    "flashinfer_xqa": "fp8",  # FlashInfer's SM120 XQA MLA kernel: e4m3 mma.sync with an e4m3 cache and q
 }
 
 

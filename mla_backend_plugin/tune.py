@@ -148,7 +148,8 @@ def _meta_args(key):
     sl = torch.empty(key.batch, dtype=torch.int32, device=meta)
     one = (torch.ones(1, device=meta) if key.scale_form == "tensor" else 1.0) if key.scale_form != "none" else None
     return prepare_args(q, kv, bt, sl, softmax_scale=0.1, q_scale=one if key.q_dtype == "fp8" else None,
-                        kv_scale=one if key.kv_dtype == "fp8" else None, out_dtype=DTYPES[key.out_dtype])
+                        kv_scale=one if key.kv_dtype == "fp8" else None, out_dtype=DTYPES[key.out_dtype],
+                        need_lse=key.lse)
 
 
 def dry_run(args, cc) -> int:

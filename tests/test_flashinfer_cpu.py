@@ -44,11 +44,16 @@ def _args(q_form="cat", kv_dtype=torch.bfloat16, block_size=64, q_len=2, heads=1
 
 def test_manifests_are_registered_unverified_and_plan_nothing():
     names = [m.name for m in MANIFESTS]
-    assert names == ["flashinfer_cute_dsl", "flashinfer_trtllm"]
+    assert names == ["flashinfer_cute_dsl", "flashinfer_trtllm", "flashinfer_xqa"]
     for m in MANIFESTS:
         assert registry.KERNELS[m.name] is m
         assert m.verified_archs == frozenset() and m.plan_tile is None and m.needs_workspace and m.archs == ()
+        assert m.writes_lse == (m.name != "flashinfer_xqa")
     assert registry.AUTO_ORDER[10][0] == "flashinfer_cute_dsl" and "flashinfer_trtllm" not in registry.AUTO_ORDER[10]
+    # XQA: a tuner candidate on SM120/121 beside ours, never auto's choice
+    assert "flashinfer_xqa" not in registry.AUTO_ORDER[12]
+    assert registry.candidate_kernels((12, 0)) == ["xqa_sm120", "triton", "flashinfer_xqa"]
+    assert "flashinfer_xqa" not in registry.candidate_kernels((10, 0))
 
 
 def test_refusals_name_the_reason(importable, monkeypatch, tmp_path):
@@ -225,3 +230,199 @@ def test_keywords_match_flashinfers_signature(monkeypatch):
         if "return_lse_base" in params:
             assert kw["return_lse_base"] == "basee"
     fi.api_parameters.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------------------
+# FlashInfer's SM120 XQA MLA decode (writes no LSE)
+# --------------------------------------------------------------------------------------------------------
+
+RTX_PRO = (12, 0)
+# The parameters of flashinfer.decode.xqa_batch_decode_with_kv_cache_mla: the same in 0.6.14 and 0.7.2
+XQA_API = ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+           "block_tables", "seq_lens", "max_seq_len", "out", "bmm1_scale", "bmm2_scale", "sinks", "enable_pdl")
+XQA = registry.KERNELS["flashinfer_xqa"]
+
+
+def _xqa_args(q_form="cat", kv_dtype=torch.bfloat16, block_size=64, q_len=1, heads=128, need_lse=False, **kw):
+    inputs = make_decode_inputs(3, [70, 300, 5], q_len, heads, block_size, kv_dtype, q_form, "cpu", 0, **kw)
+    return prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype,
+                        **inputs.scale_kwargs(), need_lse=need_lse), inputs
+
+
+def test_xqa_refusals_name_the_reason(importable):
+    why = fi.unsupported_reason_xqa
+    args, _ = _xqa_args()
+    assert why(args, RTX_PRO) is None and why(args, (12, 1)) is None
+    assert why(args, None) == "needs a CUDA device"
+    assert why(args, B200) == ("FlashInfer's XQA MLA decode runs on SM120/SM121 (RTX PRO 6000 Blackwell, RTX 50, "
+                               "DGX Spark), device has compute capability 10.0")
+    assert why(_xqa_args(kv_dtype=torch.float16)[0], RTX_PRO) == "writes bf16 output only, out is float16"
+    mixed, _ = _xqa_args(kv_dtype=FP8, kv_scale=2.0)
+    assert "needs q in the cache's dtype (q is bfloat16, cache float8_e4m3fn)" in why(mixed, RTX_PRO)
+    fp8, _ = _xqa_args(q_form="fp8", kv_dtype=FP8, kv_scale=2.0, q_scale=0.5)
+    assert why(fp8, RTX_PRO) is None
+    assert why(_xqa_args(heads=64)[0], RTX_PRO) == "XQA's MLA kernel is built for 128 heads, the call has 64"
+    assert why(_xqa_args(q_len=2)[0], RTX_PRO) == ("XQA's MLA kernel takes one query token per request, the call "
+                                                   "has q_len 2")
+    for block_size in (16, 32, 128):  # every page size mla_decode takes has an XQA build
+        assert why(_xqa_args(block_size=block_size)[0], RTX_PRO) is None
+    inputs = _xqa_args(block_size=32)[1]
+    narrow = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table[:, :13].contiguous(), inputs.seq_lens,
+                          softmax_scale=0.1, need_lse=False)
+    assert "needs a block table covering a multiple of 128 tokens; it has 13 columns" in why(narrow, RTX_PRO)
+
+
+def test_xqa_is_refused_when_the_lse_is_needed(importable):
+    """The registry (what auto, the tuned table and the tuner ask) refuses a kernel that writes no LSE for a call
+    that needs one, and the tuner never lists it as a candidate for such a call."""
+    from mla_backend_plugin.ops import autotune
+
+    needs, _ = _xqa_args(need_lse=True)
+    free, _ = _xqa_args(need_lse=False)
+    reason = registry.unsupported_reason(XQA, needs, RTX_PRO)
+    assert reason.startswith("writes no LSE and this call needs one (mla_decode's return_lse=True, the default)")
+    assert registry.unsupported_reason(XQA, free, RTX_PRO) is None
+    for m in MANIFESTS[:2]:  # kernels that write the LSE: the flag changes nothing for them
+        assert registry.unsupported_reason(m, needs, B200) == registry.unsupported_reason(m, free, B200)
+    found, refused = autotune.candidates_for(needs, RTX_PRO, kernels=["flashinfer_xqa"], check=False)
+    assert found == [] and refused["flashinfer_xqa"] == reason
+    found, refused = autotune.candidates_for(free, RTX_PRO, kernels=["flashinfer_xqa"], check=False)
+    assert [c.kernel for c in found] == ["flashinfer_xqa", "flashinfer_xqa"] and refused == {}
+    assert needs.signature() != free.signature()  # one decision per need: a workspace never mixes them up
+
+
+def test_mla_decode_return_lse_contract():
+    """return_lse=False returns (out, None) with the same out (a given lse buffer is accepted, its contents
+    unspecified); return_lse must be a bool."""
+    from mla_backend_plugin.ops import mla_decode
+
+    inputs = make_decode_inputs(2, [40, 9], 1, 16, 16, torch.bfloat16, "cat", "cpu", 3)
+    kw = dict(softmax_scale=inputs.softmax_scale, kernel="reference")
+    out, lse = mla_decode(*inputs.call_args(), **kw)
+    out2, none = mla_decode(*inputs.call_args(), **kw, return_lse=False)
+    assert none is None and lse.shape == (2, 16) and torch.equal(out, out2)
+    out3, none = mla_decode(*inputs.call_args(), **kw, return_lse=False, lse=torch.empty(2, 16))
+    assert none is None and torch.equal(out, out3)
+    with pytest.raises(ValueError, match="mla_decode: return_lse: must be True or False, got None"):
+        mla_decode(*inputs.call_args(), **kw, return_lse=None)
+
+
+def test_tuned_shapes_keep_the_lse_need_apart(importable):
+    """A shape key says whether its calls read the LSE: the tuner lists the no-LSE kernel only for keys that do
+    not, the live table never hands a no-LSE key's choice to a call that needs the LSE, and old cache entries
+    (no "lse") read as needing it."""
+    from mla_backend_plugin.ops import autotune, tuned
+
+    needs, _ = _xqa_args(need_lse=True)
+    free, _ = _xqa_args(need_lse=False)
+    k_needs, k_free = tuned.ShapeKey.of(needs, RTX_PRO, 300), tuned.ShapeKey.of(free, RTX_PRO, 300)
+    assert k_needs.lse and not k_free.lse and k_needs.shape != k_free.shape
+    assert k_free.id() == k_needs.id() + " no-lse"
+    old = k_needs.as_dict()
+    del old["lse"]
+    assert tuned.ShapeKey.from_dict(old) == k_needs and tuned.ShapeKey.from_dict(k_free.as_dict()) == k_free
+    assert tuned._live_shape(free, RTX_PRO) == k_free.shape and tuned._live_shape(needs, RTX_PRO) == k_needs.shape
+    dep = autotune.Deployment(128, 1, "bf16", "bf16", "bf16", 64, (3,), (300,), lse=False)
+    assert [k.lse for k in dep.keys(RTX_PRO)] == [False]
+    found, _ = autotune.candidates_for(free, RTX_PRO, check=False)
+    assert "flashinfer_xqa" in {c.kernel for c in found}
+    found, refused = autotune.candidates_for(needs, RTX_PRO, check=False)
+    assert "flashinfer_xqa" not in {c.kernel for c in found} and "writes no LSE" in refused["flashinfer_xqa"]
+
+
+def test_self_check_of_a_kernel_without_lse_compares_out_alone(monkeypatch):
+    """The self-check hands a no-LSE kernel calls with need_lse=False and checks its out alone; a kernel that
+    supports none of the cases fails (nothing was checked)."""
+    import dataclasses
+
+    from mla_backend_plugin.ops import selfcheck
+
+    ref = registry.KERNELS["reference"]
+    seen = []
+
+    def launch(args, workspace, config):  # the reference's out, an LSE left unwritten (NaN)
+        seen.append(args.need_lse)
+        ref.launch(args, workspace, config)
+        args.lse.fill_(float("nan"))
+
+    no_lse = dataclasses.replace(ref, name="no_lse", launch=launch, writes_lse=False)
+    assert selfcheck.run_self_check(no_lse, torch.device("cpu")) is None and seen and not any(seen)
+    with_lse = dataclasses.replace(no_lse, writes_lse=True)
+    assert "lse" in selfcheck.run_self_check(with_lse, torch.device("cpu"))
+    nothing = dataclasses.replace(ref, name="nothing", unsupported_reason=lambda args, cc: "no")
+    assert "none of the self-check cases" in selfcheck.run_self_check(nothing, torch.device("cpu"))
+
+
+class _FakeXqa:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        kwargs["out"].fill_(1.0)
+        return kwargs["out"]
+
+
+@pytest.fixture
+def fake_xqa(monkeypatch):
+    fake = _FakeXqa()
+    fake.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in XQA_API])
+    decode = types.ModuleType("flashinfer.decode")
+    decode.xqa_batch_decode_with_kv_cache_mla = fake
+    pkg = types.ModuleType("flashinfer")
+    pkg.decode = decode
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
+    monkeypatch.setattr(fi, "SHARED_BYTES", 1 << 20)
+    return fake.calls
+
+
+@pytest.mark.parametrize("q_form", ["cat", "pair"])
+def test_xqa_argument_mapping(fake_xqa, q_form):
+    args, inputs = _xqa_args(q_form=q_form)
+    ws = _Workspace(fi.SHARED_BYTES + 3 * 128 * 576 * 2)
+    args.lse.fill_(-7.0)
+    fi.launch_xqa(args, ws, LaunchConfig(enable_pdl=False))
+    (kw,) = fake_xqa
+    assert set(kw) <= set(XQA_API)
+    q = kw["query"]
+    assert q.shape == (3, 1, 128, 576)
+    if q_form == "cat":
+        assert q.data_ptr() == inputs.q.data_ptr()
+    else:  # joined past the semaphores and partials, in the staging area
+        assert q.data_ptr() == ws.buf.data_ptr() + fi.SHARED_BYTES
+    assert torch.equal(q.reshape(3, 128, 576), torch.cat([args.q_nope, args.q_pe], dim=-1))
+    # the workspace: XQA's semaphores at its head (zero at allocation), its partials after them
+    region = kw["workspace_buffer"]
+    assert region.data_ptr() == ws.buf.data_ptr() and region.numel() == fi.SHARED_BYTES
+    assert kw["kv_cache"] is args.kv_cache and kw["block_tables"] is args.block_table
+    assert kw["seq_lens"] is args.seq_lens and kw["max_seq_len"] == args.block_table.shape[1] * 64
+    assert (kw["kv_lora_rank"], kw["qk_rope_head_dim"]) == (512, 64)
+    assert kw["out"].shape == (3, 128, 512) and kw["out"].data_ptr() == args.out.data_ptr()
+    assert kw["enable_pdl"] is False and "lse" not in kw and "sinks" not in kw
+    assert kw["bmm1_scale"] == pytest.approx(args.softmax_scale) and kw["bmm2_scale"] == 1.0
+    assert torch.all(args.out == 1) and torch.all(args.lse == -7.0)  # out written, no LSE touched
+
+
+def test_xqa_fp8_scales(fake_xqa):
+    """XQA scales the logits by bmm1_scale * bmm2_scale and the output by bmm2_scale (csrc/xqa/mla_sm120.cu)."""
+    fp8, _ = _xqa_args(q_form="fp8", kv_dtype=FP8, kv_scale=2.0, q_scale=0.5)
+    fi.launch_xqa(fp8, _Workspace(fi.SHARED_BYTES), LaunchConfig())
+    kw = fake_xqa[-1]
+    assert kw["bmm1_scale"] * kw["bmm2_scale"] == pytest.approx(fp8.softmax_scale * 0.5 * 2.0)
+    assert kw["bmm2_scale"] == 2.0 and kw["query"].dtype == FP8
+
+
+def test_xqa_keywords_match_flashinfers_signature():
+    """Every keyword the XQA adapter passes is a parameter of the installed FlashInfer's function (0.6.14 and 0.7.2
+    have the same one), and XQA_API is that parameter list."""
+    try:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache_mla as real
+    except ImportError as e:
+        pytest.skip(f"flashinfer-python is not installed here: {e}")
+    params = tuple(inspect.signature(real).parameters)
+    assert params == XQA_API
+    args, _ = _xqa_args(q_form="pair")
+    kw = fi.xqa_call_kwargs(args, _Workspace(fi.SHARED_BYTES + 3 * 128 * 576 * 2), LaunchConfig())
+    assert set(kw) <= set(params), set(kw) - set(params)

@@ -25,7 +25,7 @@ def _args(kv_dtype=torch.bfloat16, heads=128, q_len=2):
 
 def test_every_family_is_found_and_well_formed():
     assert set(KERNELS) == {"cute_sm90", "cute_sm100", "triton", "xqa_sm120", "reference", "flashinfer_cute_dsl",
-                            "flashinfer_trtllm"}
+                            "flashinfer_trtllm", "flashinfer_xqa"}
     for name, m in KERNELS.items():
         assert isinstance(m, KernelManifest) and m.name == name and m.combine in COMBINES
         assert set(m.archs) <= set(ARCHS), (name, m.archs)
@@ -51,8 +51,9 @@ def test_the_registry_reads_manifests_without_importing_toolchains():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
             "print(names, fams, bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == ("['cute_sm100', 'cute_sm90', 'flashinfer_cute_dsl', 'flashinfer_trtllm', 'reference', "
-                           "'triton', 'xqa_sm120'] ['cute_sm100', 'cute_sm90', 'triton', 'xqa_sm120'] []"), out
+    assert out.strip() == ("['cute_sm100', 'cute_sm90', 'flashinfer_cute_dsl', 'flashinfer_trtllm', "
+                           "'flashinfer_xqa', 'reference', 'triton', 'xqa_sm120'] "
+                           "['cute_sm100', 'cute_sm90', 'triton', 'xqa_sm120'] []"), out
 
 
 def test_auto_order_names_only_declared_kernels(monkeypatch):

@@ -48,7 +48,8 @@ def mla_decode(
     max_seq_len: int | None = None,
     row_kv_lens: torch.Tensor | None = None,
     step: StepPlans | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
     Args:
@@ -87,13 +88,18 @@ def mla_decode(
         step: a ``StepPlans`` shared by every layer's call of one decode step (same seq_lens tensor and values;
             a serving integration makes one per step): the split schedule of the step is planned on the device
             once (cute_sm90's step-plan kernel) instead of once per call. None: each call plans for itself.
+        return_lse: False when the caller does not use the LSE (no split-KV merge across ranks after the call):
+            kernels that write no LSE (FlashInfer's SM120 XQA MLA decode) may then run, and None is returned in
+            its place (a given ``lse`` buffer may or may not be written). True (the default): every kernel chosen
+            writes it.
 
     Returns:
-        ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits.
+        ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits, or
+        None with ``return_lse=False``.
     """
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
-                        row_kv_lens=row_kv_lens)
+                        row_kv_lens=row_kv_lens, need_lse=return_lse)
     if step is not None:
         if not isinstance(step, StepPlans):
             fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")
@@ -120,7 +126,7 @@ def mla_decode(
             workspace.decisions[key] = decided
     spec, config, workspace = decided
     spec.launch(args, workspace, config)
-    return args.out, args.lse
+    return args.out, args.lse if return_lse else None
 
 
 def _choice(args: DecodeArgs, kernel: str, config: LaunchConfig | None, cc, max_seq_len: int | None,

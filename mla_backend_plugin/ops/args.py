@@ -51,6 +51,10 @@ class DecodeArgs:
     # the decode step this call belongs to (mla_decode's ``step``): a family with a step-plan kernel plans once
     # per step; not part of the signature (it changes every step, the decision does not)
     step: StepPlans | None = None
+    # the caller reads the LSE (mla_decode's ``return_lse``): False lets a kernel that writes none
+    # (``KernelManifest.writes_lse = False``) run; kernels that write one still write it to ``lse``, whose
+    # contents are then unspecified
+    need_lse: bool = True
 
     @property
     def block_size(self) -> int:
@@ -72,7 +76,7 @@ class DecodeArgs:
         return (self.batch, self.q_len, self.num_heads, qn.dtype, kv.dtype, out.dtype, kv.shape[1],
                 self.block_table.shape[1], qn.stride(), qp.stride(), kv.stride(), out.stride(), self.lse.stride(),
                 qn.data_ptr() % 16, qp.data_ptr() % 16, kv.data_ptr() % 16, out.data_ptr() % 16,
-                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, qn.device)
+                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, self.need_lse, qn.device)
 
 
 def fail(arg: str, msg: str):
@@ -126,8 +130,10 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
 def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
                  q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
                  lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 row_kv_lens: torch.Tensor | None = None) -> DecodeArgs:
+                 row_kv_lens: torch.Tensor | None = None, need_lse: bool = True) -> DecodeArgs:
     """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
+    if not isinstance(need_lse, bool):
+        fail("return_lse", f"must be True or False, got {need_lse!r}")
     q_nope, q_pe = _split_q(q)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
         if t.stride(-1) != 1:
@@ -219,4 +225,4 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
     return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
                       batch=batch, q_len=q_len, num_heads=num_heads, softmax_scale=float(softmax_scale),
                       q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype,
-                      row_kv_lens=row_kv_lens)
+                      row_kv_lens=row_kv_lens, need_lse=need_lse)

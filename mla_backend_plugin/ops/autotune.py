@@ -188,7 +188,7 @@ def measure_on_gpu(key: ShapeKey, candidates: list[Candidate], static: Candidate
         def launch(i: int):
             return mla_decode(inputs.q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
                               softmax_scale=inputs.softmax_scale, out=out, lse=lse, workspace=workspace,
-                              kernel=cand.kernel, config=cand.config, step=step, **scales)
+                              kernel=cand.kernel, config=cand.config, step=step, return_lse=key.lse, **scales)
         return launch
 
     ordered = sorted(candidates, key=lambda c: c != static)  # the static choice first: the others' reference
@@ -206,7 +206,7 @@ def measure_on_gpu(key: ShapeKey, candidates: list[Candidate], static: Candidate
                 ref = (out.float(), lse.clone())
             else:
                 phase = "check"
-                check = compare_decode(out, lse, *ref, DTYPES[key.kv_dtype])
+                check = compare_decode(out, lse if key.lse else None, *ref, DTYPES[key.kv_dtype])
                 if not check.out_ok:
                     refused[cand.label] = f"differs from the static choice's output: {check.summary()}"
                     continue
@@ -242,7 +242,7 @@ def tune_shape(key: ShapeKey, device, *, kernels: Iterable[str] | None = None, m
     scales = inputs.scale_kwargs(as_tensor=key.scale_form == "tensor") if key.scale_form != "none" else {}
     out, lse = inputs.poisoned_outputs()
     args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
-                        softmax_scale=inputs.softmax_scale, out=out, lse=lse, **scales)
+                        softmax_scale=inputs.softmax_scale, out=out, lse=lse, need_lse=key.lse, **scales)
     if workspace_factory is not None:
         workspace = workspace_factory(key, device)
     else:
@@ -312,12 +312,14 @@ class Deployment:
     q_form: str = "pair"  # vLLM hands decode a (q_nope, q_pe) pair (one tensor when it quantises q to fp8)
     scale_form: str = "none"
     max_blocks: int | None = None  # the engine's block-table width (max_model_len / block size)
+    lse: bool = True  # the engine reads the LSE (vLLM: under DCP); False admits kernels that write none
 
     def keys(self, cc) -> list[ShapeKey]:
         batches = sorted({tuned.batch_bucket(b) for b in self.batches})
         seqs = sorted({tuned.seq_bucket(s) for s in self.seq_lens})
         return [ShapeKey(tuple(cc), self.kv_dtype, self.q_dtype, self.out_dtype, self.num_heads, self.q_len,
-                         self.block_size, self.q_form, self.scale_form, b, s) for b in batches for s in seqs]
+                         self.block_size, self.q_form, self.scale_form, b, s, self.lse)
+                for b in batches for s in seqs]
 
 
 def tune_keys(keys: list[ShapeKey], device, *, budget_s: float | None = None, cache: TuneCache | None = None,
@@ -374,7 +376,8 @@ def prebuild_deployment(deployment: Deployment, device, kernel: str = "auto") ->
         inputs, _ = tuning_inputs(key, device, max_blocks=1)
         scales = inputs.scale_kwargs(as_tensor=key.scale_form == "tensor") if key.scale_form != "none" else {}
         args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
-                            softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype, **scales)
+                            softmax_scale=inputs.softmax_scale, out_dtype=inputs.out_dtype,
+                            need_lse=deployment.lse, **scales)
         try:
             spec, config = expected_launch(args, kernel)
         except ValueError:  # no kernel supports the shape: its calls will say so

@@ -33,6 +33,10 @@ The kernel contract:
 A folder may declare several kernels (``MANIFESTS``, a tuple) when they share an adapter (kernels/flashinfer).
 * ``supports_row_kv_lens``: the family honours ``args.row_kv_lens`` (per-row key counts, decode context
   parallelism); a family that does not declare it is refused such calls by the registry, never handed them.
+* ``writes_lse`` (default True): the kernel writes ``args.lse``. A kernel that writes none (FlashInfer's SM120
+  XQA MLA decode) sets it False: the registry refuses it every call whose caller needs the LSE
+  (``args.need_lse``, ``mla_decode(return_lse=True)``, the default), so ``auto``, the tuned table and the tuner
+  only run it where the caller passed ``return_lse=False``; its self-check compares ``out`` alone.
 """
 
 from __future__ import annotations
@@ -192,6 +196,7 @@ class KernelManifest:
     config_label: Callable[[LaunchConfig], str] | None = None
     prebuild: Callable[..., bool] | None = None
     supports_row_kv_lens: bool = False
+    writes_lse: bool = True
 
     def __post_init__(self):
         if self.combine not in COMBINES:

@@ -33,7 +33,8 @@ from mla_backend_plugin.ops.manifest import KernelManifest
 # autotuner ranks them where it has timed a shape. FlashInfer's trtllm-gen kernel is a tuner candidate only (it
 # downloads its cubins when they are not installed). On SM120/121 xqa_sm120 is the kernel written for them (99 KB
 # of shared memory, mma.sync); neither it nor Triton has run on SM120 hardware, so both pass the first-use
-# self-check before they are used there.
+# self-check before they are used there. FlashInfer's SM120 XQA MLA decode writes no LSE: a tuner candidate there
+# for shapes whose calls pass return_lse=False, never auto's choice.
 AUTO_ORDER: dict[int, tuple[str, ...]] = {
     8: ("triton",),
     9: ("cute_sm90", "triton"),
@@ -94,13 +95,13 @@ def available_kernels() -> tuple[str, ...]:
 
 def candidate_kernels(cc, wanted: Iterable[str] | None = None) -> list[str]:
     """The kernels the tuner times on compute capability ``cc``: the arch's AUTO_ORDER, then FlashInfer's
-    trtllm-gen on SM100/103; ``CUTE_MLA_CANDIDATES=a,b`` (or ``wanted``) replaces that list, ``+c`` entries add
+    trtllm-gen on SM100/103, FlashInfer's XQA MLA decode on SM120/121 (no LSE: only for calls with
+    ``return_lse=False``); ``CUTE_MLA_CANDIDATES=a,b`` (or ``wanted``) replaces that list, ``+c`` entries add
     to it."""
     if cc is None:
         return []
     default = list(AUTO_ORDER.get(cc[0], ()))
-    if cc[0] == 10:
-        default.append("flashinfer_trtllm")
+    default += {10: ["flashinfer_trtllm"], 12: ["flashinfer_xqa"]}.get(cc[0], [])
     wanted = tuple(envs.CUTE_MLA_CANDIDATES if wanted is None else wanted)
     replace = [n for n in wanted if not n.startswith("+")]
     names = (replace or default) + [n[1:] for n in wanted if n.startswith("+")]
@@ -146,10 +147,13 @@ def scratch_for(device, max_batch: int, max_q_len: int, num_heads: int, num_sms:
 
 
 def unsupported_reason(spec: KernelManifest, args, cc) -> str | None:
-    """Why ``spec`` cannot run this call: what the registry checks for every family, then the family's own
-    ``unsupported_reason``."""
+    """Why ``spec`` cannot run this call: what the registry checks for every family (per-row key counts, the
+    LSE), then the family's own ``unsupported_reason``."""
     if getattr(args, "row_kv_lens", None) is not None and not spec.supports_row_kv_lens:
         return "does not support row_kv_lens (per-row key counts, used by decode context parallelism)"
+    if getattr(args, "need_lse", True) and not spec.writes_lse:
+        return ("writes no LSE and this call needs one (mla_decode's return_lse=True, the default); a caller that "
+                "does not use the LSE passes return_lse=False")
     return spec.unsupported_reason(args, cc)
 
 

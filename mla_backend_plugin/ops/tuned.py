@@ -112,23 +112,25 @@ class ShapeKey:
     scale_form: str  # "none" | "float" | "tensor"
     batch: int  # bucket: calls with batch <= this (and > half of it)
     seq: int  # bucket: KV lengths <= this
+    # the calls read the LSE (mla_decode's return_lse); False: kernels that write none are candidates too
+    lse: bool = True
 
     @classmethod
     def of(cls, args, cc, seq_len: int) -> ShapeKey:
         return cls(tuple(cc), DTYPE_NAMES[args.kv_dtype], DTYPE_NAMES[args.q_dtype], DTYPE_NAMES[args.out.dtype],
                    args.num_heads, args.q_len, args.block_size, q_form_of(args), scale_form_of(args),
-                   batch_bucket(args.batch), seq_bucket(seq_len))
+                   batch_bucket(args.batch), seq_bucket(seq_len), args.need_lse)
 
     @property
     def shape(self) -> tuple:
         """The live table's shape part (everything but the two buckets), in the form ``_live_shape`` builds."""
         return (self.cc, DTYPES[self.kv_dtype], DTYPES[self.q_dtype], DTYPES[self.out_dtype], self.num_heads,
-                self.q_len, self.block_size, self.q_form, self.scale_form)
+                self.q_len, self.block_size, self.q_form, self.scale_form, self.lse)
 
     def id(self) -> str:
         return (f"sm{self.cc[0]}{self.cc[1]} kv={self.kv_dtype} q={self.q_dtype} out={self.out_dtype} "
                 f"h{self.num_heads} q_len={self.q_len} bs{self.block_size} {self.q_form} scales={self.scale_form} "
-                f"B<={self.batch} S<={self.seq}")
+                f"B<={self.batch} S<={self.seq}" + ("" if self.lse else " no-lse"))
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -142,7 +144,7 @@ class ShapeKey:
 
 def _live_shape(args, cc) -> tuple:
     return (cc, args.kv_dtype, args.q_dtype, args.out.dtype, args.num_heads, args.q_len, args.block_size,
-            q_form_of(args), scale_form_of(args))
+            q_form_of(args), scale_form_of(args), args.need_lse)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -14,7 +14,13 @@ What 0.7 changed, read from the installed signature (``api_parameters``):
   the call).
 * trtllm-gen takes a block table of any width (0.6 and cute-dsl: a multiple of 128 tokens).
 
-Importing this module imports no FlashInfer; ``unsupported_reason_*`` import it once, only on SM100/SM103.
+``xqa_batch_decode_with_kv_cache_mla(query [B, 1, H, 576], kv_cache, workspace_buffer, qk_nope_head_dim,
+kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens, max_seq_len, out=, bmm1_scale=, bmm2_scale=, sinks=,
+enable_pdl=)`` (``flashinfer.decode``), the same in 0.6.14 and 0.7.2: FlashInfer's SM120/SM121 MLA decode, which
+writes no LSE (0.7.2's ``trtllm_batch_decode_with_kv_cache_mla(backend="xqa")`` raises on ``return_lse``).
+
+Importing this module imports no FlashInfer; ``unsupported_reason_*`` import it once, only on SM100/SM103 (SM120/
+SM121 for XQA).
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ DEEPSEEK_QK_NOPE_HEAD_DIM = 128
 # cute-dsl kernel converts to natural log before its store. mla_decode returns natural-log LSE.
 LSE_IN_LOG2 = {"cute-dsl": False, "trtllm-gen": True}
 SM100_FAMILY = 10
+SM120_FAMILY = 12
+# FlashInfer's XQA MLA decode: one JIT-compiled kernel per (dtype, page size) for 128 heads (HEAD_GRP_SIZE), one
+# query token per request, q and cache both bf16 or both e4m3 (flashinfer.xqa.gen_xqa_module_mla; what
+# _common_reason lets through: bf16 output, q in the cache's dtype), page size 16/32/64/128 (every one mla_decode
+# takes, ops/constants.py SUPPORTED_BLOCK_SIZES)
+XQA_NUM_HEADS = 128
 
 
 @functools.cache
@@ -83,11 +95,12 @@ def cubins_missing() -> str | None:
             "FlashInfer would download them")
 
 
-def _common_reason(backend: str, args, cc) -> str | None:
+def _common_reason(backend: str, args, cc, family: int = 10,
+                   devices: str = "SM100/SM103 (B200, GB200, B300)") -> str | None:
     if cc is None:
         return "needs a CUDA device"
-    if cc[0] != SM100_FAMILY:
-        return (f"FlashInfer's {backend} MLA decode runs on SM100/SM103 (B200, GB200, B300), device has compute "
+    if cc[0] != family:
+        return (f"FlashInfer's {backend} MLA decode runs on {devices}, device has compute "
                 f"capability {cc[0]}.{cc[1]}")
     failure = import_failure()
     if failure:
@@ -132,9 +145,9 @@ def unsupported_reason_trtllm(args, cc) -> str | None:
 
 
 def scratch(cc, max_batch: int, max_q_len: int, num_heads: int, num_sms: int) -> tuple[str, int] | None:
-    """The scratch both adapters share, in every workspace for an SM100/SM103 device with FlashInfer installed:
-    [semaphores + split-KV region: SHARED_BYTES][q staging: max tokens x H x 576 x 2 B]."""
-    if cc is None or cc[0] != SM100_FAMILY or importlib.util.find_spec("flashinfer") is None:
+    """The scratch the adapters share, in every workspace for an SM100/SM103 or SM120/SM121 device with FlashInfer
+    installed: [semaphores + split-KV region: SHARED_BYTES][q staging: max tokens x H x 576 x 2 B]."""
+    if cc is None or cc[0] not in (SM100_FAMILY, SM120_FAMILY) or importlib.util.find_spec("flashinfer") is None:
         return None
     staging = max_batch * max_q_len * num_heads * QK_HEAD_DIM * 2
     return SCRATCH_KEY, SHARED_BYTES + staging
@@ -164,21 +177,29 @@ def joined_query(args) -> torch.Tensor | None:
                             (args.q_len * args.num_heads * QK_HEAD_DIM, args.num_heads * QK_HEAD_DIM, QK_HEAD_DIM, 1))
 
 
+def staged_query(args, buf: torch.Tensor) -> torch.Tensor:
+    """``[B, q_len, H, 576]``: a view of q when it is one tensor, else vLLM's (q_nope, q_pe) pair joined in the
+    staging area of the shared scratch ``buf``, where FlashInfer can read it."""
+    query = joined_query(args)
+    if query is not None:
+        return query
+    nbytes = args.batch * args.q_len * args.num_heads * QK_HEAD_DIM * args.q_nope.element_size()
+    if SHARED_BYTES + nbytes > buf.numel():
+        raise ValueError(f"mla_decode: workspace: FlashInfer's q staging holds {buf.numel() - SHARED_BYTES} "
+                         f"bytes, this call needs {nbytes}")
+    query = buf[SHARED_BYTES:SHARED_BYTES + nbytes].view(args.q_nope.dtype).view(
+        args.batch, args.q_len, args.num_heads, QK_HEAD_DIM)
+    flat = query.view(-1, args.num_heads, QK_HEAD_DIM)
+    flat[..., :KV_LORA_RANK].copy_(args.q_nope)
+    flat[..., KV_LORA_RANK:].copy_(args.q_pe)
+    return query
+
+
 def call_kwargs(args, workspace, backend: str, config: LaunchConfig) -> dict:
     """The keywords of ``trtllm_batch_decode_with_kv_cache_mla`` for one of our calls (no allocation: views of
     args and of the workspace's scratch; a q pair is copied into the staging area)."""
     buf = workspace.scratch_for(SCRATCH_KEY)
-    query = joined_query(args)
-    if query is None:  # vLLM's (q_nope, q_pe) pair: join it where FlashInfer can read it
-        nbytes = args.batch * args.q_len * args.num_heads * QK_HEAD_DIM * args.q_nope.element_size()
-        if SHARED_BYTES + nbytes > buf.numel():
-            raise ValueError(f"mla_decode: workspace: FlashInfer's q staging holds {buf.numel() - SHARED_BYTES} "
-                             f"bytes, this call needs {nbytes}")
-        query = buf[SHARED_BYTES:SHARED_BYTES + nbytes].view(args.q_nope.dtype).view(
-            args.batch, args.q_len, args.num_heads, QK_HEAD_DIM)
-        flat = query.view(-1, args.num_heads, QK_HEAD_DIM)
-        flat[..., :KV_LORA_RANK].copy_(args.q_nope)
-        flat[..., KV_LORA_RANK:].copy_(args.q_pe)
+    query = staged_query(args, buf)
     counters = backend == "trtllm-gen" and separate_counters()
     # trtllm-gen < 0.7 finds its semaphores at the head of the region; cute-dsl never touches them
     region = buf[:SHARED_BYTES] if backend == "trtllm-gen" and not counters else buf[COUNTER_BYTES:SHARED_BYTES]
@@ -220,3 +241,44 @@ def launch_cute_dsl(args, workspace, config: LaunchConfig) -> None:
 
 def launch_trtllm(args, workspace, config: LaunchConfig) -> None:
     _launch("trtllm-gen", args, workspace, config)
+
+
+# --------------------------------------------------------------------------------------------------------
+# FlashInfer's SM120/SM121 XQA MLA decode (flashinfer.decode.xqa_batch_decode_with_kv_cache_mla)
+# --------------------------------------------------------------------------------------------------------
+
+def unsupported_reason_xqa(args, cc) -> str | None:
+    why = _common_reason("XQA", args, cc, SM120_FAMILY, "SM120/SM121 (RTX PRO 6000 Blackwell, RTX 50, DGX Spark)")
+    if why:
+        return why
+    if args.num_heads != XQA_NUM_HEADS:
+        return f"XQA's MLA kernel is built for {XQA_NUM_HEADS} heads, the call has {args.num_heads}"
+    if args.q_len != 1:
+        return f"XQA's MLA kernel takes one query token per request, the call has q_len {args.q_len}"
+    return _block_table_reason(args)  # FlashInfer checks the table as trtllm-gen 0.6's (whole 128-token tiles)
+
+
+def xqa_call_kwargs(args, workspace, config: LaunchConfig) -> dict:
+    """The keywords of ``xqa_batch_decode_with_kv_cache_mla`` for one of our calls. Its workspace is the shared
+    scratch's head: XQA's 8 MiB of semaphores first (zero at allocation; the kernel leaves them zero, as
+    trtllm-gen's), its split-KV partials after them.
+
+    Scales, read from its kernel (csrc/xqa/mla_sm120.cu): the logits are scaled by ``bmm1_scale * bmm2_scale``
+    (its q scale times its KV scale) and the output by ``bmm2_scale``, so ``bmm1_scale`` takes the softmax scale
+    times q's scale and ``bmm2_scale`` the cache's scale (not trtllm-gen's bmm1 = softmax x q x kv)."""
+    buf = workspace.scratch_for(SCRATCH_KEY)
+    q_scale = 1.0 if args.q_scale is None else float(args.q_scale)
+    kv_scale = 1.0 if args.kv_scale is None else float(args.kv_scale)
+    return dict(
+        query=staged_query(args, buf), kv_cache=args.kv_cache, workspace_buffer=buf[:SHARED_BYTES],
+        qk_nope_head_dim=DEEPSEEK_QK_NOPE_HEAD_DIM, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        block_tables=args.block_table, seq_lens=args.seq_lens,
+        max_seq_len=args.block_table.shape[1] * args.block_size,
+        out=args.out.view(args.batch, args.num_heads, KV_LORA_RANK),
+        bmm1_scale=args.softmax_scale * q_scale, bmm2_scale=kv_scale, enable_pdl=bool(config.enable_pdl))
+
+
+def launch_xqa(args, workspace, config: LaunchConfig) -> None:
+    """Writes ``args.out`` only: XQA's MLA kernel has no LSE output (the manifest says ``writes_lse=False``)."""
+    flashinfer_decode = importlib.import_module("flashinfer.decode")
+    flashinfer_decode.xqa_batch_decode_with_kv_cache_mla(**xqa_call_kwargs(args, workspace, config))
