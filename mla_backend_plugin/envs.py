@@ -205,8 +205,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            kind="list", parse=_int_list),
     EnvVar("CUTE_MLA_CANDIDATES", (),
            "Kernels the tuner times: unset = the arch's default set (`AUTO_ORDER`, plus FlashInfer's trtllm-gen "
-           "on SM100 when its cubins are installed); a list (`cute_sm90,triton`) replaces it, `+name` entries "
-           "add to it (e.g. `+xqa_sm120`).", kind="list", parse=_name_list),
+           "on SM100 when its cubins are installed, FlashInfer's XQA on SM120/121); a list (`cute_sm90,triton`) "
+           "replaces it, `+name` entries add to it (e.g. `+xqa_sm120`).", kind="list", parse=_name_list),
     EnvVar("CUTE_MLA_TUNE_CACHE", "",
            "The tuning cache (JSON): unset/`1` = `~/.cache/mla_backend_plugin/autotune.json`, `0` = none (tuning "
            "results live only in the process), else that file.", kind="path", parse=_cache_dir),
