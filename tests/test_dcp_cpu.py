@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from mla_backend_plugin.ops import MLAWorkspace, mla_decode, prepare_args, registry, select_kernel, serving
+from mla_backend_plugin.ops import DcpLayout, MLAWorkspace, mla_decode, prepare_args, registry, select_kernel, serving
 from mla_backend_plugin.testing import assert_close_decode, compare_decode, make_decode_inputs
 from mla_backend_plugin.testing.dcp import (
     local_positions,
@@ -183,6 +183,32 @@ def test_decode_runner_passes_row_kv_lens(monkeypatch):
     out, lse = runner.decode(shard.q, shard.kv_cache, shard.block_table, shard.seq_lens, ws,
                              row_kv_lens=shard.row_kv_lens)
     assert_close_decode(out, lse, *shard.reference(), torch.bfloat16)
+
+
+def test_decode_runner_passes_the_dcp_layout_sliced_with_the_batch(monkeypatch):
+    """DecodeRunner hands mla_decode the layout next to row_kv_lens; a batch past the workspace runs in slices,
+    each with its requests' global lengths."""
+    monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
+    inp = make_decode_inputs(2, [20, 9], 2, 16, 16, torch.bfloat16, "cat", "cpu", 6)
+    shard = shard_decode_inputs(inp, 2, 1, 1, seed=1)
+    layout = DcpLayout(2, 1, 1, torch.tensor([20, 9], dtype=torch.int32))
+    calls = []
+
+    def recording(*a, **kw):
+        calls.append(kw["dcp"])
+        return mla_decode(*a, **kw)
+
+    monkeypatch.setattr(serving, "mla_decode", recording)
+    runner = serving.DecodeRunner(inp.softmax_scale, "auto")
+    for max_batch, expected in ((4, [[20, 9]]), (1, [[20], [9]])):
+        calls.clear()
+        ws = MLAWorkspace("cpu", max_batch=max_batch, max_q_len=2, num_heads=16, num_sms=8,
+                          out_dtype=torch.bfloat16)
+        out, lse = runner.decode(shard.q, shard.kv_cache, shard.block_table, shard.seq_lens, ws,
+                                 row_kv_lens=shard.row_kv_lens, dcp=layout)
+        assert [c.global_seq_lens.tolist() for c in calls] == expected
+        assert all((c.world, c.rank, c.interleave) == (2, 1, 1) for c in calls)
+        assert_close_decode(out, lse, *shard.reference(), torch.bfloat16)
 
 
 def test_check_num_heads_counts_the_gathered_heads():

@@ -15,7 +15,7 @@ import torch
 
 from mla_backend_plugin.kernels.flashinfer import MANIFESTS
 from mla_backend_plugin.kernels.flashinfer import launch as fi
-from mla_backend_plugin.ops import LaunchConfig, prepare_args, registry
+from mla_backend_plugin.ops import DcpLayout, LaunchConfig, prepare_args, registry, serving
 from mla_backend_plugin.testing import make_decode_inputs
 
 B200 = (10, 0)
@@ -229,7 +229,112 @@ def test_keywords_match_flashinfers_signature(monkeypatch):
             assert "multi_ctas_kv_counter_buffer" in kw  # else FlashInfer >= 0.7 allocates one on every call
         if "return_lse_base" in params:
             assert kw["return_lse_base"] == "basee"
+    if "enable_dcp" in params:  # FlashInfer >= 0.7: row_kv_lens as cute-dsl's DCP mode
+        assert fi.has_dcp_mode()
+        dcp, global_lens = _dcp_args(world=2, rank=1)
+        kw = fi.call_kwargs(dcp, _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2), "cute-dsl", LaunchConfig())
+        bound = inspect.signature(real).bind(**kw)  # every keyword a parameter, none missing
+        assert bound.arguments["enable_dcp"] is True and bound.arguments["causal_seqlens_kv_global"] is global_lens
+        assert (bound.arguments["cp_world"], bound.arguments["cp_rank"]) == (2, 1)
+        assert bound.arguments["return_lse"] is True and bound.arguments["backend"] == "cute-dsl"
+        assert bound.arguments["query"].dim() == 4  # FlashInfer's DCP takes a dense query without cum_seq_lens_q
+    else:
+        assert not fi.has_dcp_mode()
     fi.api_parameters.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------------------
+# row_kv_lens as FlashInfer's cute-dsl DCP mode (enable_dcp, FlashInfer >= 0.7)
+# --------------------------------------------------------------------------------------------------------
+
+# rank 0 of 2, cyclic: the global lengths whose rank-0 shards are _args' seq_lens [70, 300, 5]
+GLOBAL_LENS = [139, 599, 9]
+
+
+def _dcp_args(world=2, rank=0, interleave=1, with_layout=True, with_rows=True, q_len=2):
+    _, inputs = _args(q_len=q_len)
+    global_lens = torch.tensor(GLOBAL_LENS, dtype=torch.int32)
+    rows = serving.dcp_row_kv_lens(global_lens, q_len, world, rank, interleave) if with_rows else None
+    dcp = DcpLayout(world, rank, interleave, global_lens) if with_layout else None
+    args = prepare_args(*inputs.call_args(), softmax_scale=inputs.softmax_scale, row_kv_lens=rows, dcp=dcp)
+    return args, global_lens
+
+
+def test_dcp_layout_is_validated():
+    _, inputs = _args()
+    lens = torch.tensor(GLOBAL_LENS, dtype=torch.int32)
+
+    def prepare(dcp):
+        return prepare_args(*inputs.call_args(), softmax_scale=0.1, dcp=dcp)
+
+    assert prepare(None).dcp is None
+    good = DcpLayout(2, 1, 1, lens)
+    assert prepare(good).dcp is good
+    for bad, match in (((2, 1), "must be an ops.DcpLayout"),
+                       (DcpLayout(0, 0, 1, lens), "world must be >= 1, got 0"),
+                       (DcpLayout(2, 2, 1, lens), r"rank must be in \[0, 1\] \(0 <= rank < world\), got 2"),
+                       (DcpLayout(2, -1, 1, lens), "rank must be in"),
+                       (DcpLayout(2, 0, 0, lens), "interleave must be >= 1"),
+                       (DcpLayout(2.0, 0, 1, lens), "world must be a Python int, got 2.0"),
+                       (DcpLayout(2, True, 1, lens), "rank must be a Python int"),
+                       (DcpLayout(2, 0, 1, lens.long()), r"global_seq_lens must be an int32 tensor \[batch\] = \[3\]"),
+                       (DcpLayout(2, 0, 1, lens[:2]), "global_seq_lens must be an int32 tensor"),
+                       (DcpLayout(2, 0, 1, [139, 599, 9]), "global_seq_lens must be an int32 tensor"),
+                       (DcpLayout(2, 0, 1, torch.tensor([139, 0, 599, 0, 9, 0], dtype=torch.int32)[::2]),
+                        "global_seq_lens must be contiguous")):
+        with pytest.raises(ValueError, match=f"mla_decode: dcp: {match}"):
+            prepare(bad)
+    # one decision per layout kind where a kernel's support depends on it; none for the rank or the lengths
+    none, cyclic, other_rank, interleaved = (prepare(d).signature() for d in (
+        None, good, DcpLayout(2, 0, 1, lens.clone()), DcpLayout(2, 1, 2, lens)))
+    assert len({none, cyclic, interleaved}) == 3 and cyclic == other_rank
+
+
+@pytest.mark.parametrize("version", sorted(FLASHINFER_APIS))
+def test_row_kv_lens_needs_flashinfers_dcp_mode(importable, monkeypatch, version):
+    """cute-dsl takes row_kv_lens only as FlashInfer's DCP mode: with the layout, interleave 1, FlashInfer >= 0.7;
+    trtllm-gen never; without row_kv_lens the layout changes nothing."""
+    monkeypatch.setattr(fi, "api_parameters", lambda: frozenset(FLASHINFER_APIS[version]))
+    monkeypatch.setattr(fi, "installed_version", lambda: version)
+    cute, trt = registry.KERNELS["flashinfer_cute_dsl"], registry.KERNELS["flashinfer_trtllm"]
+
+    def reason(spec, args):
+        return registry.unsupported_reason(spec, args, B200)
+
+    cyclic, _ = _dcp_args()
+    if version == "0.7.2":
+        assert reason(cute, cyclic) is None
+    else:
+        assert reason(cute, cyclic) == (f"FlashInfer {version} has no DCP mode (enable_dcp, cp_world, cp_rank, "
+                                        "causal_seqlens_kv_global: FlashInfer >= 0.7)")
+    assert reason(cute, _dcp_args(interleave=2)[0]) == \
+        "FlashInfer's DCP mode shards cyclically (interleave 1); got 2"
+    assert "takes row_kv_lens only in FlashInfer's DCP mode" in reason(cute, _dcp_args(with_layout=False)[0])
+    assert reason(trt, cyclic) == \
+        "does not support row_kv_lens (per-row key counts, used by decode context parallelism)"
+    assert reason(cute, _dcp_args(interleave=2, with_rows=False)[0]) is None
+
+
+def test_dcp_argument_mapping(fake_flashinfer):
+    v0_7 = _fake_version() == "0.7.2"
+    ws = _Workspace(fi.SHARED_BYTES + 3 * 2 * 16 * 576 * 2)
+    args, global_lens = _dcp_args(world=2, rank=0)
+    if v0_7:
+        fi.launch_cute_dsl(args, ws, LaunchConfig())
+        kw = fake_flashinfer[-1]
+        assert kw["enable_dcp"] is True and kw["cp_world"] == 2 and kw["cp_rank"] == 0
+        assert kw["causal_seqlens_kv_global"] is global_lens
+        assert kw["seq_lens"] is args.seq_lens and kw["query"].dim() == 4  # rank-local lengths; a dense query
+        assert kw["return_lse"] is True and kw["backend"] == "cute-dsl" and kw["cute_dsl_impl"] == "monolithic"
+        rank1, _ = _dcp_args(world=4, rank=3)
+        fi.launch_cute_dsl(rank1, ws, LaunchConfig())
+        assert (fake_flashinfer[-1]["cp_world"], fake_flashinfer[-1]["cp_rank"]) == (4, 3)
+    # without row_kv_lens (q_len 1 under DCP: the usual rule on the rank's own lengths) no DCP keyword is passed
+    for plain in (_dcp_args(with_rows=False)[0], _args()[0]):
+        fi.launch_cute_dsl(plain, ws, LaunchConfig())
+        assert not {"enable_dcp", "cp_world", "cp_rank", "causal_seqlens_kv_global"} & set(fake_flashinfer[-1])
+        fi.launch_trtllm(plain, ws, LaunchConfig())
+        assert not {"enable_dcp", "cp_world", "cp_rank", "causal_seqlens_kv_global"} & set(fake_flashinfer[-1])
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -372,17 +372,22 @@ def scenario_dcp_decode() -> None:
             assert decode.seq_lens.tolist() == local
             assert decode.dcp_tot_seq_lens.tolist() == lens
             if q_len == 1:
-                assert decode.row_kv_lens is None
+                assert decode.row_kv_lens is None and decode.dcp is None
             else:
                 expected = shard_row_kv_lens(lens, q_len, dcp, rank, interleave)
                 assert decode.row_kv_lens.tolist() == expected, (decode.row_kv_lens.tolist(), expected)
                 assert decode.row_kv_lens.data_ptr() == builder.row_kv_lens_buffer.data_ptr()
+                # the layout for FlashInfer's DCP mode: the global lengths in the builder's persistent buffer
+                layout = decode.dcp
+                assert (layout.world, layout.rank, layout.interleave) == (dcp, rank, interleave), layout
+                assert layout.global_seq_lens.tolist() == lens
+                assert layout.global_seq_lens.data_ptr() == builder.global_seq_lens_buffer.data_ptr()
                 naive = [[max(s - q_len + 1 + t, 0) for t in range(q_len)] for s in local]
                 assert expected != naive or dcp == 1  # the local causal rule is not seq_len - q_len + 1 + t
             runner = serving.DecodeRunner(inp.softmax_scale, "auto")
             assert runner.kernel == "reference"
             out, lse = runner.decode(shard.q, shard.kv_cache, decode.block_table, decode.seq_lens,
-                                     decode.workspace, row_kv_lens=decode.row_kv_lens)
+                                     decode.workspace, row_kv_lens=decode.row_kv_lens, dcp=decode.dcp)
             outs.append(out.clone())
             lses.append(lse.clone())
         merged_out, merged_lse = merge_partials(outs, lses)

@@ -8,7 +8,7 @@ importing only those below it (tests/test_import_layers.py checks both):
     plan                                       the split planner (SplitPlan, schedules, combine tiles)
     registry                                   arch -> kernels, tuner candidates, what a workspace must serve
     workspace                                  the buffers (MLAWorkspace, StepPlans)
-    args                                       a call's validated inputs (prepare_args, DecodeArgs)
+    args                                       a call's validated inputs (prepare_args, DecodeArgs, DcpLayout)
     inputs, tolerances                         decode inputs and the comparison against the reference
     selfcheck                                  the first-use self-check of unverified kernels
     tuned                                      the tuned-choice table and the tuning cache
@@ -19,7 +19,7 @@ importing only those below it (tests/test_import_layers.py checks both):
 Nothing here touches CUDA or imports a kernel family at import time.
 """
 
-from mla_backend_plugin.ops.api import DecodeArgs, mla_decode, prepare_args, select_kernel
+from mla_backend_plugin.ops.api import DcpLayout, DecodeArgs, mla_decode, prepare_args, select_kernel
 from mla_backend_plugin.ops.manifest import KernelManifest, LaunchConfig, PlanTile
 from mla_backend_plugin.ops.plan import plan_splits
 from mla_backend_plugin.ops.registry import AUTO_ORDER, KERNELS, available_kernels
@@ -27,6 +27,7 @@ from mla_backend_plugin.ops.workspace import MLAWorkspace
 
 __all__ = [
     "AUTO_ORDER",
+    "DcpLayout",
     "DecodeArgs",
     "KERNELS",
     "KernelManifest",

@@ -17,14 +17,14 @@ import torch
 from mla_backend_plugin import envs
 from mla_backend_plugin.ops import registry, selfcheck, tuned
 from mla_backend_plugin.ops.arch import device_smem_per_block
-from mla_backend_plugin.ops.args import DecodeArgs, Scale, fail, prepare_args
+from mla_backend_plugin.ops.args import DcpLayout, DecodeArgs, Scale, fail, prepare_args
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, KernelManifest, LaunchConfig
 from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, default_workspace
 
 logger = logging.getLogger("mla_backend_plugin")
 
-__all__ = ["DecodeArgs", "expected_launch", "mla_decode", "prepare_args", "select_kernel"]
+__all__ = ["DcpLayout", "DecodeArgs", "expected_launch", "mla_decode", "prepare_args", "select_kernel"]
 
 
 def mla_decode(
@@ -49,6 +49,7 @@ def mla_decode(
     row_kv_lens: torch.Tensor | None = None,
     step: StepPlans | None = None,
     return_lse: bool = True,
+    dcp: DcpLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Paged MLA decode: ``softmax(softmax_scale * q k^T) v`` over each request's KV pages.
 
@@ -92,6 +93,9 @@ def mla_decode(
             kernels that write no LSE (FlashInfer's SM120 XQA MLA decode) may then run, and None is returned in
             its place (a given ``lse`` buffer may or may not be written). True (the default): every kernel chosen
             writes it.
+        dcp: with ``row_kv_lens``, the ``DcpLayout(world, rank, interleave, global_seq_lens)`` those counts come
+            from: kernels that apply the DCP rule themselves (FlashInfer's cute-dsl DCP mode, interleave 1) take
+            ``row_kv_lens`` only with it; every other kernel ignores it. None: no layout given.
 
     Returns:
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits, or
@@ -99,7 +103,7 @@ def mla_decode(
     """
     args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
                         q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
-                        row_kv_lens=row_kv_lens, need_lse=return_lse)
+                        row_kv_lens=row_kv_lens, need_lse=return_lse, dcp=dcp)
     if step is not None:
         if not isinstance(step, StepPlans):
             fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")

@@ -27,6 +27,46 @@ from mla_backend_plugin.ops.workspace import StepPlans
 Scale = float | torch.Tensor | None
 
 
+@dataclasses.dataclass(frozen=True)
+class DcpLayout:
+    """How a decode-context-parallel group shards the KV cache, for kernels that apply the DCP visibility rule
+    themselves (FlashInfer's cute-dsl DCP mode) instead of reading ``row_kv_lens``: rank ``rank`` of ``world``
+    stores global token positions ``p`` with ``(p // interleave) % world == rank``; ``global_seq_lens`` is the
+    int32 ``[batch]`` device tensor of each request's global KV length (this step's tokens included, the
+    lengths ``ops.serving.dcp_row_kv_lens`` takes). Given next to ``row_kv_lens``, which it must agree with."""
+
+    world: int
+    rank: int
+    interleave: int
+    global_seq_lens: torch.Tensor
+
+
+def _check_dcp(dcp, batch: int, device: torch.device) -> DcpLayout | None:
+    if dcp is None:
+        return None
+    if not isinstance(dcp, DcpLayout):
+        fail("dcp", f"must be an ops.DcpLayout(world, rank, interleave, global_seq_lens) or None, "
+                    f"got {type(dcp).__name__}")
+    for name in ("world", "rank", "interleave"):
+        value = getattr(dcp, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            fail("dcp", f"{name} must be a Python int, got {value!r}")
+    if dcp.world < 1:
+        fail("dcp", f"world must be >= 1, got {dcp.world}")
+    if not 0 <= dcp.rank < dcp.world:
+        fail("dcp", f"rank must be in [0, {dcp.world - 1}] (0 <= rank < world), got {dcp.rank}")
+    if dcp.interleave < 1:
+        fail("dcp", f"interleave must be >= 1 (tokens per rank before the next rank), got {dcp.interleave}")
+    lens = dcp.global_seq_lens
+    if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32 or tuple(lens.shape) != (batch,):
+        fail("dcp", f"global_seq_lens must be an int32 tensor [batch] = [{batch}], got {_describe(lens)}")
+    if not lens.is_contiguous():
+        fail("dcp", "global_seq_lens must be contiguous")
+    if lens.device != device:
+        fail("dcp", f"global_seq_lens is on {lens.device} but q is on {device}")
+    return dcp
+
+
 @dataclasses.dataclass
 class DecodeArgs:
     """Validated, normalised inputs of one decode call (what a kernel's ``launch`` receives)."""
@@ -48,6 +88,9 @@ class DecodeArgs:
     # [B, q_len] int32: keys each query row sees (at most seq_len), or None for the usual causal rule
     # (seq_len - q_len + t + 1). Given for a KV cache sharded across ranks (decode context parallelism).
     row_kv_lens: torch.Tensor | None = None
+    # how the KV cache is sharded across a decode-context-parallel group (mla_decode's ``dcp``), or None; only a
+    # kernel that applies the DCP rule itself reads it (FlashInfer's cute-dsl, which takes row_kv_lens only so)
+    dcp: DcpLayout | None = None
     # the decode step this call belongs to (mla_decode's ``step``): a family with a step-plan kernel plans once
     # per step; not part of the signature (it changes every step, the decision does not)
     step: StepPlans | None = None
@@ -76,7 +119,9 @@ class DecodeArgs:
         return (self.batch, self.q_len, self.num_heads, qn.dtype, kv.dtype, out.dtype, kv.shape[1],
                 self.block_table.shape[1], qn.stride(), qp.stride(), kv.stride(), out.stride(), self.lse.stride(),
                 qn.data_ptr() % 16, qp.data_ptr() % 16, kv.data_ptr() % 16, out.data_ptr() % 16,
-                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, self.need_lse, qn.device)
+                type(self.q_scale), type(self.kv_scale), self.row_kv_lens is None, self.need_lse, qn.device,
+                # whether row_kv_lens can be served by FlashInfer's DCP mode (compile-time world, interleave 1)
+                None if self.dcp is None else (self.dcp.world, self.dcp.interleave))
 
 
 def fail(arg: str, msg: str):
@@ -130,7 +175,8 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
 def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
                  q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
                  lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 row_kv_lens: torch.Tensor | None = None, need_lse: bool = True) -> DecodeArgs:
+                 row_kv_lens: torch.Tensor | None = None, need_lse: bool = True,
+                 dcp: DcpLayout | None = None) -> DecodeArgs:
     """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
     if not isinstance(need_lse, bool):
         fail("return_lse", f"must be True or False, got {need_lse!r}")
@@ -192,6 +238,8 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
         if row_kv_lens.device != device:
             fail("row_kv_lens", f"is on {row_kv_lens.device} but q is on {device}")
 
+    dcp = _check_dcp(dcp, batch, device)
+
     q_is_fp8 = q_nope.dtype == FP8_DTYPE
     kv_is_fp8 = kv_cache.dtype == FP8_DTYPE
     if out is not None and out_dtype is not None and out.dtype != out_dtype:
@@ -225,4 +273,4 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
     return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
                       batch=batch, q_len=q_len, num_heads=num_heads, softmax_scale=float(softmax_scale),
                       q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype,
-                      row_kv_lens=row_kv_lens, need_lse=need_lse)
+                      row_kv_lens=row_kv_lens, need_lse=need_lse, dcp=dcp)

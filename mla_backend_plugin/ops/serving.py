@@ -20,6 +20,7 @@ import torch
 from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import autotune, tuned
 from mla_backend_plugin.ops.api import mla_decode
+from mla_backend_plugin.ops.args import DcpLayout
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
     KV_LORA_RANK,
@@ -398,20 +399,22 @@ class DecodeRunner:
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
                row_kv_lens: torch.Tensor | None = None, token_requests: TokenRequests | None = None,
-               step: StepPlans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               step: StepPlans | None = None, dcp: DcpLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``max_seq_len``: the step's longest KV length when the engine knows it on the host and may pick the
         tuned choice of its bucket by it (``DeploymentTuning.choice_seq_len``; ignored under graph capture).
         ``row_kv_lens``: per-row key counts (decode context parallelism, ``dcp_row_kv_lens``). ``token_requests``:
         a step of mixed q_lens recast by ``token_requests`` (what is launched; ``block_table`` and ``seq_lens``
         stay the step's own, per request). q and the returned outputs are in token order either way. ``step``: the
-        decode step's ``StepPlans``, shared by its layers (mla_decode's ``step``)."""
+        decode step's ``StepPlans``, shared by its layers (mla_decode's ``step``). ``dcp``: the layout
+        ``row_kv_lens`` comes from (mla_decode's ``dcp``); not passed on for a recast step (its requests are not
+        the layout's)."""
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
         q_scale = dequant_scale(q_scale) if q_is_fp8 else None
         kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
         scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
         if token_requests is None:
-            out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, **scales)
+            out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, dcp=dcp, **scales)
         else:
             tr = token_requests
             out, lse = tr.scatter(*self._launch(tr.gather_q(q), cache, tr.block_table, tr.seq_lens, tr.row_kv_lens,
@@ -424,7 +427,7 @@ class DecodeRunner:
         return out, lse
 
     def _launch(self, q, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace,
+                row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace, dcp: DcpLayout | None = None,
                 **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """mla_decode into the workspace's output buffers (fresh outputs past them). A batch of more requests than
         the workspace holds (token requests) runs in slices of at most max_batch requests, each writing its rows."""
@@ -433,7 +436,7 @@ class DecodeRunner:
         batch = block_table.shape[0]
         if batch <= workspace.max_batch:
             mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, out=out, lse=lse,
-                       workspace=workspace, kernel=self.kernel, row_kv_lens=row_kv_lens, **kwargs)
+                       workspace=workspace, kernel=self.kernel, row_kv_lens=row_kv_lens, dcp=dcp, **kwargs)
             return out, lse
         q_len = num_rows // batch
         for start in range(0, batch, workspace.max_batch):
@@ -441,7 +444,9 @@ class DecodeRunner:
             rows = slice(part.start * q_len, part.stop * q_len)
             mla_decode(_rows(q, rows), cache, block_table[part], seq_lens[part], softmax_scale=self.softmax_scale,
                        out=out[rows], lse=lse[rows], workspace=workspace, kernel=self.kernel,
-                       row_kv_lens=row_kv_lens[part] if row_kv_lens is not None else None, **kwargs)
+                       row_kv_lens=row_kv_lens[part] if row_kv_lens is not None else None,
+                       dcp=dataclasses.replace(dcp, global_seq_lens=dcp.global_seq_lens[part]) if dcp is not None
+                       else None, **kwargs)
         return out, lse
 
     @staticmethod

@@ -14,7 +14,7 @@ import torch
 from vllm.config import VllmConfig, get_current_vllm_config
 
 from mla_backend_plugin import BACKEND_NAME, envs
-from mla_backend_plugin.ops import serving
+from mla_backend_plugin.ops import DcpLayout, serving
 from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
 from mla_backend_plugin.ops.workspace import MLAWorkspace
 from mla_backend_plugin.testing.reference_check import engine_check
@@ -28,6 +28,9 @@ class CuteMLADecodeMetadata(compat.MLACommonDecodeMetadata):
     # decode context parallelism with q_len > 1: [B, q_len] keys of this rank's shard each query row sees (a
     # view of the builder's persistent buffer); None otherwise (seq_lens alone gives every row's limit)
     row_kv_lens: torch.Tensor | None = None
+    # with row_kv_lens: the layout they come from (world, rank, interleave, the global lengths in the builder's
+    # persistent buffer), for a kernel that applies the DCP rule itself (FlashInfer's cute-dsl DCP mode)
+    dcp: DcpLayout | None = None
     # a batch of mixed q_lens or of q_len > MAX_Q_LEN (short prefills after a prefix-cache hit, drafts of mixed
     # counts), recast as requests of a few consecutive query tokens each (serving.token_requests): what decode
     # launches; block_table and seq_lens stay the step's own
@@ -82,9 +85,12 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                                                host_lengths=not compat.full_decode_graphs(vllm_config))
         self.dcp_rank = compat.dcp_rank() if self.dcp_world_size > 1 else 0
         max_q_len = serving.max_decode_q_len(num_spec)
-        # the per-row limits a CUDA graph reads: refreshed in place by every build
+        # the per-row limits and the global lengths (DcpLayout) a CUDA graph reads: refreshed in place by every build
+        with_rows = self.dcp_world_size > 1 and max_q_len > 1
         self.row_kv_lens_buffer = (torch.zeros(max_num_seqs * max_q_len, dtype=torch.int32, device=device)
-                                   if self.dcp_world_size > 1 and max_q_len > 1 else None)
+                                   if with_rows else None)
+        self.global_seq_lens_buffer = (torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+                                       if with_rows else None)
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> CuteMLAMetadata:
         metadata = super().build_for_cudagraph_capture(common_attn_metadata)
@@ -113,32 +119,36 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
                                              dcp_tot_seq_lens=None, workspace=self.workspace,
                                              max_seq_len=self.tuning.choice_seq_len(max_seq_len),
                                              token_requests=token_requests)
+        row_kv_lens, dcp = self._row_kv_lens(dcp_tot_seq_lens, seq_lens_device.shape[0], kwargs)
         return CuteMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens, workspace=self.workspace,
                                      max_seq_len=self.tuning.choice_seq_len(compat.decode_max_seq_len(kwargs)),
-                                     row_kv_lens=self._row_kv_lens(dcp_tot_seq_lens, seq_lens_device.shape[0],
-                                                                   kwargs))
+                                     row_kv_lens=row_kv_lens, dcp=dcp)
 
     def _row_kv_lens(self, dcp_tot_seq_lens: torch.Tensor | None, num_decodes: int,
-                     build_decode_kwargs: dict) -> torch.Tensor | None:
+                     build_decode_kwargs: dict) -> tuple[torch.Tensor | None, DcpLayout | None]:
         """Under DCP with q_len > 1: the keys of this rank's shard each query row sees, computed from the global
-        lengths into the persistent buffer (device ops, no host sync). None when seq_lens says it all."""
+        lengths into the persistent buffer (device ops, no host sync), and the layout they come from, its global
+        lengths copied into a persistent buffer too. (None, None) when seq_lens says it all."""
         if self.row_kv_lens_buffer is None or num_decodes == 0:
-            return None
+            return None, None
         num_tokens = build_decode_kwargs["num_decode_tokens"]
         q_len = serving.uniform_query_len(compat.decode_query_lens(build_decode_kwargs), num_tokens)
         if q_len is None:  # vLLM keeps DCP decode batches uniform (UNIFORM, as declared under DCP)
             raise RuntimeError(f"decode batch of {num_decodes} requests has {num_tokens} tokens: q_len is not "
                                f"uniform")
         if q_len == 1:
-            return None  # one row: it sees every local key
+            return None, None  # one row: it sees every local key
         if dcp_tot_seq_lens is None or num_decodes * q_len > self.row_kv_lens_buffer.numel():
             raise RuntimeError(f"{BACKEND_NAME}: decode batch of {num_decodes} requests x q_len {q_len} under "
                                f"decode context parallelism does not fit the builder's per-row buffer "
                                f"({self.row_kv_lens_buffer.numel()} rows) or has no global lengths")
         out = self.row_kv_lens_buffer[:num_decodes * q_len].view(num_decodes, q_len)
-        return serving.dcp_row_kv_lens(dcp_tot_seq_lens[:num_decodes], q_len, self.dcp_world_size, self.dcp_rank,
+        global_lens = self.global_seq_lens_buffer[:num_decodes]
+        global_lens.copy_(dcp_tot_seq_lens[:num_decodes])
+        rows = serving.dcp_row_kv_lens(global_lens, q_len, self.dcp_world_size, self.dcp_rank,
                                        self.cp_kv_cache_interleave_size, out=out)
+        return rows, DcpLayout(self.dcp_world_size, self.dcp_rank, self.cp_kv_cache_interleave_size, global_lens)
 
 
 def num_speculative_tokens(vllm_config: VllmConfig) -> int:
@@ -255,7 +265,7 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         # DCP, seq_lens are this rank's local lengths and vLLM merges the ranks' outputs with the returned LSE.
         return self.runner.decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.workspace,
                                   q_scale=layer._q_scale, kv_scale=layer._k_scale, max_seq_len=decode.max_seq_len,
-                                  row_kv_lens=decode.row_kv_lens,
+                                  row_kv_lens=decode.row_kv_lens, dcp=decode.dcp,
                                   token_requests=decode.token_requests, step=decode.step)
 
 

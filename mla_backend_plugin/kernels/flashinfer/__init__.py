@@ -15,7 +15,9 @@ our own): on SM100/SM103 ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`
 
 What the SM100 adapters take (``launch.py`` refuses the rest with the reason): SM100/SM103; q in the cache's dtype
 (bf16 with a bf16 cache, e4m3 with an e4m3 cache); bf16 output; scales as host floats (FlashInfer fuses them into its
-bmm1/bmm2 scales on the host); trtllm-gen: block size 32 or 64; a block table covering a multiple of 128 tokens.
+bmm1/bmm2 scales on the host); trtllm-gen: block size 32 or 64; a block table covering a multiple of 128 tokens;
+``row_kv_lens`` (decode context parallelism) only on cute-dsl, as FlashInfer's DCP mode (FlashInfer >= 0.7,
+``enable_dcp``), with mla_decode's ``dcp`` layout of interleave 1 (cyclic sharding, the only one it implements).
 The kernels share one zero-initialised scratch buffer in our workspace (``MLAWorkspace.scratch_for``): trtllm-gen's
 8 MiB of semaphores at its head (zeroed once at allocation, reset by the kernel after every launch), the region
 both kernels use for split-KV partials (cute-dsl gets it past the semaphores), and a staging area where a
@@ -31,7 +33,8 @@ from mla_backend_plugin.ops.manifest import KernelManifest, lazy
 _HERE = "mla_backend_plugin.kernels.flashinfer.launch"
 
 
-def _manifest(name: str, backend: str, description: str, writes_lse: bool = True) -> KernelManifest:
+def _manifest(name: str, backend: str, description: str, writes_lse: bool = True,
+              supports_row_kv_lens: bool = False) -> KernelManifest:
     return KernelManifest(
         name=name,
         description=description,
@@ -46,12 +49,14 @@ def _manifest(name: str, backend: str, description: str, writes_lse: bool = True
         scratch=lazy(_HERE, "scratch"),
         config_label=lazy(_HERE, "config_label"),
         writes_lse=writes_lse,
+        supports_row_kv_lens=supports_row_kv_lens,
     )
 
 
 MANIFESTS = (
     _manifest("flashinfer_cute_dsl", "cute_dsl",
-              "FlashInfer CuTe-DSL MLA decode (SM100/103; trtllm_batch_decode_with_kv_cache_mla backend='cute-dsl')"),
+              "FlashInfer CuTe-DSL MLA decode (SM100/103; trtllm_batch_decode_with_kv_cache_mla backend='cute-dsl')",
+              supports_row_kv_lens=True),  # as its DCP mode, with mla_decode's dcp layout (launch._dcp_reason)
     _manifest("flashinfer_trtllm", "trtllm",
               "FlashInfer trtllm-gen MLA decode (SM100/103, local cubins only; backend='trtllm-gen')"),
     _manifest("flashinfer_xqa", "xqa",

@@ -13,6 +13,10 @@ What 0.7 changed, read from the installed signature (``api_parameters``):
 * ``return_lse_base="basee"``: trtllm-gen writes a natural-log LSE itself (0.6 writes base 2, scaled here after
   the call).
 * trtllm-gen takes a block table of any width (0.6 and cute-dsl: a multiple of 128 tokens).
+* ``enable_dcp=, cp_world=, cp_rank=, causal_seqlens_kv_global=``: cute-dsl's decode context parallelism (DCP)
+  mode, a rank-local state with its LSE: rank r of cp_world (a compile-time constant) holds the global positions
+  p with p % cp_world == r (cyclic, interleave 1) and ``causal_seqlens_kv_global`` (int32 [B]) is each request's
+  global length. It is how flashinfer_cute_dsl serves ``row_kv_lens``, given with mla_decode's ``dcp`` layout.
 
 ``xqa_batch_decode_with_kv_cache_mla(query [B, 1, H, 576], kv_cache, workspace_buffer, qk_nope_head_dim,
 kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens, max_seq_len, out=, bmm1_scale=, bmm2_scale=, sinks=,
@@ -127,8 +131,35 @@ def _block_table_reason(args) -> str | None:
     return None
 
 
+def installed_version() -> str:
+    """The installed FlashInfer's version (for reasons; the features are read from ``api_parameters``)."""
+    return str(getattr(importlib.import_module("flashinfer"), "__version__", "of unknown version"))
+
+
+def has_dcp_mode() -> bool:
+    """FlashInfer >= 0.7: cute-dsl's DCP mode (``enable_dcp``, ``cp_world``, ``cp_rank``,
+    ``causal_seqlens_kv_global``)."""
+    return "enable_dcp" in api_parameters()
+
+
+def _dcp_reason(args) -> str | None:
+    """cute-dsl takes per-row key counts only as its DCP mode, which derives them from the layout itself."""
+    if args.row_kv_lens is None:
+        return None
+    dcp = getattr(args, "dcp", None)
+    if dcp is None:
+        return ("takes row_kv_lens only in FlashInfer's DCP mode, which needs the layout they come from "
+                "(mla_decode's dcp=DcpLayout(world, rank, interleave, global_seq_lens))")
+    if dcp.interleave != 1:
+        return f"FlashInfer's DCP mode shards cyclically (interleave 1); got {dcp.interleave}"
+    if not has_dcp_mode():
+        return (f"FlashInfer {installed_version()} has no DCP mode (enable_dcp, cp_world, cp_rank, "
+                "causal_seqlens_kv_global: FlashInfer >= 0.7)")
+    return None
+
+
 def unsupported_reason_cute_dsl(args, cc) -> str | None:
-    return _common_reason("cute-dsl", args, cc) or _block_table_reason(args)
+    return _common_reason("cute-dsl", args, cc) or _block_table_reason(args) or _dcp_reason(args)
 
 
 def unsupported_reason_trtllm(args, cc) -> str | None:
@@ -215,7 +246,10 @@ def call_kwargs(args, workspace, backend: str, config: LaunchConfig) -> dict:
         bmm1_scale=args.softmax_scale * q_scale * kv_scale, bmm2_scale=kv_scale,
         enable_pdl=bool(config.enable_pdl), backend=backend, lse=args.lse, return_lse=True)
     if backend == "cute-dsl":
-        kwargs["cute_dsl_impl"] = "monolithic"  # the implementation that writes the LSE
+        kwargs["cute_dsl_impl"] = "monolithic"  # the implementation that writes the LSE (and the one with DCP)
+        if args.row_kv_lens is not None:  # served only with the layout (_dcp_reason): the kernel applies the rule
+            kwargs.update(enable_dcp=True, cp_world=args.dcp.world, cp_rank=args.dcp.rank,
+                          causal_seqlens_kv_global=args.dcp.global_seq_lens)
     if counters:
         kwargs["multi_ctas_kv_counter_buffer"] = buf[:COUNTER_BYTES]
     if "return_lse_base" in api_parameters():
