@@ -3,7 +3,7 @@
     python -m mla_backend_plugin.compile --arch sm_90a
     python -m mla_backend_plugin.compile --arch sm_120a --kernels triton
     python -m mla_backend_plugin.compile --arch sm_90a --kernels cute_sm90 --into-package   # then build the wheel
-    python -m mla_backend_plugin.compile --arch sm_100a --kernels cute_sm100 --one-per-class   # another DSL version
+    python -m mla_backend_plugin.compile --arch sm_100f --kernels cute_sm100 --one-per-class   # another DSL version
 
 Builds every kernel family whose manifest (``kernels/<family>/__init__.py``) lists the arch, through the
 family's own ``compile_variants``, which also runs its SASS checks (matrix instructions, TMA, spills). Prints

@@ -1,7 +1,7 @@
 """CPU tests of the CuTe-DSL SM100 kernel family (cute_sm100) without a GPU: the manifest and the registry's
 SM10x order, support checks with their reasons, variant keys and launch configs, the shared-memory, TMEM and
 register budgets, the split plan and combine contract the kernel writes into, the SASS checks of the build (on
-synthetic SASS that must fail), and one real sm_100a compile (when nvidia-cutlass-dsl is installed) whose SASS
+synthetic SASS that must fail), and one real sm_100f compile (when nvidia-cutlass-dsl is installed) whose SASS
 must hold 2-CTA UTCHMMA, LDTM, UTMALDG and ACQBULK before the first load, with no spills, exported into the
 relocatable kernel cache as ``compile --export-dir`` does.
 
@@ -23,7 +23,7 @@ from mla_backend_plugin.kernels.cute_common.epilogue import OutputStore
 from mla_backend_plugin.kernels.cute_sm100 import MANIFEST, build, config, launch
 from mla_backend_plugin.kernels.cute_sm100.launch import AOT, unsupported_reason
 from mla_backend_plugin.ops import LaunchConfig, MLAWorkspace, prepare_args, registry, selfcheck
-from mla_backend_plugin.ops.arch import ARCHS, arch_for_cc
+from mla_backend_plugin.ops.arch import ARCHS, arch_for_cc, runs_on
 from mla_backend_plugin.ops.constants import FP8_DTYPE, SUPPORTED_NUM_HEADS, SUPPORTED_Q_LENS
 from mla_backend_plugin.ops.plan import balanced_schedule
 
@@ -54,8 +54,11 @@ def _fresh_memo():
 
 def test_manifest_declares_an_unverified_sm100_family():
     assert MANIFEST.name == "cute_sm100" and registry.KERNELS["cute_sm100"] is MANIFEST
-    assert MANIFEST.archs == ("sm_100a", "sm_103a") and all(a in ARCHS for a in MANIFEST.archs)
+    # one family binary (sm_100f) for B200 and B300; the device's own target stays its arch-specific name
+    assert MANIFEST.archs == ("sm_100f",) and all(a in ARCHS for a in MANIFEST.archs)
     assert arch_for_cc((10, 3)).name == "sm_103a" and arch_for_cc((10, 0)).name == "sm_100a"
+    assert runs_on("sm_100f", (10, 0)) and runs_on("sm_100f", (10, 3)) and launch.ARCH_BY_CC[(10, 3)] == "sm_100f"
+    assert not runs_on("sm_100f", (10, 1)) and not runs_on("sm_100f", (9, 0)) and not runs_on("sm_100a", (10, 3))
     # never run on hardware: the first-use self-check gates it everywhere
     assert MANIFEST.verified_archs == frozenset()
     assert MANIFEST.combine == "shared" and MANIFEST.needs_workspace and MANIFEST.compile_variants is not None
@@ -81,7 +84,7 @@ def test_plan_rows_include_the_sm100_tile():
 def test_unsupported_outside_sm100_and_sm103(cc):
     reason = unsupported_reason(_args(), cc)
     assert reason is not None
-    assert ("sm_100a / sm_103a" in reason and f"{cc[0]}.{cc[1]}" in reason) if cc else "CUDA device" in reason
+    assert ("sm_100 family" in reason and f"{cc[0]}.{cc[1]}" in reason) if cc else "CUDA device" in reason
 
 
 @dsl_only
@@ -101,7 +104,7 @@ def test_without_the_dsl_only_a_prebuilt_library_serves(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "dsl_missing", lambda: "Python package 'cutlass' is not installed")
     monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
     reason = unsupported_reason(_args(), (10, 0))
-    assert "no prebuilt library can be used" in reason and "--arch sm_100a --kernels cute_sm100" in reason
+    assert "no prebuilt library can be used" in reason and "--arch sm_100f --kernels cute_sm100" in reason
 
 
 # ---- variant key, configs, plan tile ----
@@ -125,7 +128,8 @@ def test_launch_configs(monkeypatch):
     first = launch.default_config(_args(), (10, 0))
     candidates = launch.configs(_args(), (10, 0))
     assert first == LaunchConfig(enable_pdl=False) and candidates[0] == first
-    assert {c.enable_pdl for c in candidates} == {True, False} and all(c.balanced for c in candidates)
+    assert [c.max_splits for c in candidates] == [None, 64] and all(c.balanced for c in candidates)
+    assert {c.enable_pdl for c in candidates} == {False}  # PDL as the default has it (no PDL-off prebuilt)
     assert len(set(candidates)) == len(candidates) and all(c.fp8_design is None for c in candidates)
 
 
@@ -145,7 +149,7 @@ ALL_VARIANTS = [config.Variant(kv, q, "bf16", h, ql, bs, False, kv == "fp8")
 
 def test_shared_memory_fits_one_cta_per_sm():
     for v in ALL_VARIANTS:
-        assert config.shared_bytes(v) <= config.SMEM_LIMIT == ARCHS["sm_100a"].smem_per_block
+        assert config.shared_bytes(v) <= config.SMEM_LIMIT == ARCHS["sm_100f"].smem_per_block
         # a ring deep enough to overlap a whole K chunk sequence with the MMA (14 / 32 / 41 stages)
         assert config.kv_stages(v) >= config.K_STAGES_PER_TILE
     bf16, hi_lo, q8 = (config.Variant(kv, q, "bf16", 128, 1, 64, False, False)
@@ -254,11 +258,11 @@ def test_serving_variants_are_what_issue_13_asks():
 
 
 def test_rejects_other_archs_at_build_time():
-    with pytest.raises(ValueError, match="sm_100a"):
+    with pytest.raises(ValueError, match="sm_100f"):
         build.compile_variants("sm_90a", [])
 
 
-# ---- one real sm_100a compile, exported as `python -m mla_backend_plugin.compile --export-dir` does ----
+# ---- one real sm_100f compile, exported as `python -m mla_backend_plugin.compile --export-dir` does ----
 
 COMPILED = config.Variant("bf16", "bf16", "bf16", 128, 2, 32, False, False)  # what _args() calls
 
@@ -276,15 +280,15 @@ def exported(tmp_path_factory):
         mp.setenv(aot.CACHE_ENV_VAR, "restored-after-the-build")
         mp.setattr(build, "serving_variants", lambda: [COMPILED])
         mp.setattr(build, "compile_variants",
-                   lambda *a, **k: results.extend(real(*a, jobs=1, pdl_modes=(True,), **k)) or results)
-        rc = compile_cli.main(["--arch", "sm_100a", "--kernels", "cute_sm100", "--export-dir", str(root)])
+                   lambda *a, **k: results.extend(real(*a, jobs=1, **k)) or results)
+        rc = compile_cli.main(["--arch", "sm_100f", "--kernels", "cute_sm100", "--export-dir", str(root)])
     assert len(results) == 1, results
     assert rc == 0, results[0].error
     return results[0], root
 
 
 @dsl_only
-def test_compiles_for_sm100a_with_checked_sass(exported):
+def test_compiles_for_sm100f_with_checked_sass(exported):
     result, _ = exported
     assert result.ok, result.error
     assert result.spill_bytes == 0 and result.registers and result.shared_bytes == config.shared_bytes(COMPILED)
@@ -293,19 +297,19 @@ def test_compiles_for_sm100a_with_checked_sass(exported):
 @dsl_only
 def test_export_writes_a_cute_sm100_entry_the_launcher_finds(exported, monkeypatch):
     _, root = exported
-    entry = AOT.entry_dir(COMPILED, True, "sm_100a", str(root))
+    entry = AOT.entry_dir(COMPILED, True, "sm_100f", str(root))
     assert os.path.basename(entry).startswith("cute_sm100-")
     with open(os.path.join(entry, aot.META_NAME)) as f:
         meta = json.load(f)
-    assert meta["variant"] == dataclasses.asdict(COMPILED) and meta["arch"] == "sm_100a"
+    assert meta["variant"] == dataclasses.asdict(COMPILED) and meta["arch"] == "sm_100f"
     assert meta["function"] == "mla_decode_sm100" and meta["source_sha256"] == AOT.source_hash()
     monkeypatch.setenv(aot.CACHE_ENV_VAR, str(root))
-    assert AOT.check_entry(COMPILED, True, "sm_100a") == (os.path.join(entry, AOT.library_name), "")
+    assert AOT.check_entry(COMPILED, True, "sm_100f") == (os.path.join(entry, AOT.library_name), "")
     # a host without the DSL may run this variant from the cache (and only this one)
     monkeypatch.setattr(launch, "dsl_missing", lambda: "Python package 'cutlass' is not installed")
     assert unsupported_reason(_args(), (10, 0)) is None
     assert "is not prebuilt" in unsupported_reason(_args(q_len=1), (10, 0))
-    assert "is not prebuilt" in unsupported_reason(_args(), (10, 3))  # built for sm_100a, not sm_103a
+    assert unsupported_reason(_args(), (10, 3)) is None  # the family binary serves sm_103 too
 
 
 # ---- the fp8 path's arithmetic, modelled on the CPU (not the kernel: its rounding steps, in torch) ----
@@ -391,7 +395,7 @@ def test_launch_passes_the_plan_scales_and_buffers(monkeypatch):
     ws = MLAWorkspace("cpu", max_batch=4, max_q_len=1, num_heads=128, num_sms=148, plan_rows=(64,))
     launch.launch(args, ws, LaunchConfig(enable_pdl=False))
     (variant, pdl, arch, a), = calls
-    assert (arch, pdl) == ("sm_103a", False) and variant.kv_dtype == "fp8" and variant.kv_scale_is_ptr
+    assert (arch, pdl) == ("sm_100f", False) and variant.kv_dtype == "fp8" and variant.kv_scale_is_ptr
     assert a[0] is args.q_nope and a[2] is args.kv_cache and a[5] is args.out and a[7] is ws.partial_out
     assert a[10] is args.kv_scale and a[12] == 1.0  # the device scale is read in the kernel, its value is 1
     assert a[13] == pytest.approx(0.25 * config.LOG2E) and a[14] is ws.split_index

@@ -1,6 +1,6 @@
 """GPU tests aimed at what is particular to cute_sm100 (the CuTe-DSL Blackwell kernel), against the float32
 reference. They run on an SM100/SM103 GPU only and skip elsewhere with the kernel's reason (e.g. "is built for
-sm_100a / sm_103a ... device has compute capability 9.0"). Every generic case (batch x length grid, q_len x heads
+sm_100 family ... device has compute capability 9.0"). Every generic case (batch x length grid, q_len x heads
 x dtype x block size, scales, CUDA graphs) is in tests/test_ops_gpu.py, which runs cute_sm100 too.
 
 Written before any Blackwell GPU was available to the project: nothing here has run yet.

@@ -119,8 +119,8 @@ def test_launch_configs(monkeypatch):
     assert launch.default_config(fp8, (9, 0)) == LaunchConfig("auto", fp8_design="fp8mma", enable_pdl=True)
     assert launch.default_config(_args(), (9, 0)) == LaunchConfig("auto", enable_pdl=True, schedule="seesaw")
     bf16 = launch.configs(_args(), (9, 0))
-    assert bf16[0] == launch.default_config(_args(), (9, 0)) and len(set(bf16)) == len(bf16) == 8
-    assert {c.schedule for c in bf16} == set(config.SCHEDULES) and {c.enable_pdl for c in bf16} == {True, False}
+    assert bf16[0] == launch.default_config(_args(), (9, 0)) and len(set(bf16)) == len(bf16) == 6
+    assert {c.schedule for c in bf16} == set(config.SCHEDULES) and {c.enable_pdl for c in bf16} == {True}
     assert all(c.fused_combine and c.fp8_design is None and c.split_plan == "auto" for c in bf16)
     assert "cute_sm90:auto seesaw32 pdl" in {launch.MANIFEST.label(c) for c in bf16}
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")
@@ -130,9 +130,9 @@ def test_launch_configs(monkeypatch):
     assert launch.default_config(fp8, (9, 0)) == LaunchConfig(fp8_design="dequant", enable_pdl=False,
                                                               fused_combine=False)
     candidates = launch.configs(fp8, (9, 0))
-    assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates) == 8
+    assert candidates[0] == launch.default_config(fp8, (9, 0)) and len(set(candidates)) == len(candidates) == 4
     assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
-        True, False} and all(c.balanced and c.schedule is None and not c.fused_combine for c in candidates)
+        False} and all(c.balanced and c.schedule is None and not c.fused_combine for c in candidates)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
     with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant"):
         launch.default_config(fp8, (9, 0))
@@ -220,8 +220,8 @@ def exported(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(aot.CACHE_ENV_VAR, "restored-after-the-build")  # --export-dir sets it for the build
         mp.setattr(build, "serving_variants", lambda: [CACHED])
-        mp.setattr(build, "compile_variants",  # PDL on only (test_cute_packaged_cpu builds both modes)
-                   lambda *a, **k: results.extend(real(*a, pdl_modes=(True,), **k)) or results)
+        mp.setattr(build, "compile_variants",
+                   lambda *a, **k: results.extend(real(*a, **k)) or results)
         rc = compile_cli.main(["--arch", "sm_90a", "--kernels", "cute_sm90", "--export-dir", str(root)])
     # the split variant and the step-plan kernel every split variant reads its work items from
     assert rc == 0 and [r.name for r in results] == [CACHED.name, launch.STEP_PLAN.name], results

@@ -104,29 +104,33 @@ def test_first_of_each_class_keeps_the_first_of_each_in_order():
     assert first_of_each_class([], lambda n: n) == []
 
 
-@pytest.mark.parametrize("family,arch", [("cute_sm90", "sm_90a"), ("cute_sm100", "sm_100a")])
-def test_compile_one_per_class_builds_one_of_each_cute_class_pdl_on(family, arch, monkeypatch, capsys):
-    """`compile --one-per-class` (CI's pass against the newer CuTe-DSL): the family's first variant of each kernel
-    class, PDL on only; without it every variant, PDL on and off."""
+@pytest.mark.parametrize("family,arch", [("cute_sm90", "sm_90a"), ("cute_sm100", "sm_100f")])
+def test_compile_builds_every_variant_pdl_on_and_one_per_class_adds_pdl_off_once(family, arch, monkeypatch, capsys):
+    """`compile` builds (and ships) every variant with PDL on; `compile --one-per-class` (CI's pass against the
+    newer CuTe-DSL) the family's first variant of each kernel class with PDL on and the first with PDL off."""
     import importlib
+
+    import concurrent.futures
 
     from mla_backend_plugin import compile as compile_cli
 
     build = importlib.import_module(f"mla_backend_plugin.kernels.{family}.build")
     pools = []
 
-    def fake_pool(build_one, variants, arch, jobs, pdl_modes=(True, False)):
-        pools.append((list(variants), tuple(pdl_modes)))
-        return [VariantResult(v.name, True, 168, 0, 0, 0.0) for v in variants for _ in pdl_modes]
+    def fake_map(self, fn, variants, archs, pdls):
+        pools.append(list(zip(variants, pdls)))
+        return [VariantResult(v.name, True, 168, 0, 0, 0.0) for v in variants]
 
-    monkeypatch.setattr(build, "build_in_pool", fake_pool)
+    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "map", fake_map)  # what build_in_pool runs
     assert compile_cli.main(["--arch", arch, "--kernels", family, "--one-per-class"]) == 0
     assert compile_cli.main(["--arch", arch, "--kernels", family]) == 0
-    (sample, sample_pdl), (every, every_pdl) = pools
-    assert sample_pdl == (True,) and every_pdl == (True, False) and every == build.builds()
-    classes = {build.kernel_class(v) for v in every}
-    assert len(sample) == len(classes) == len({build.kernel_class(v) for v in sample}) < len(every) / 2
-    assert all(v in every for v in sample)
+    sample, every = pools
+    assert every == [(v, True) for v in build.builds()]
+    on = [v for v, pdl in sample if pdl]
+    assert [(v, pdl) for v, pdl in sample if not pdl] == [(on[0], False)]
+    classes = {build.kernel_class(v) for v in build.builds()}
+    assert len(on) == len(classes) == len({build.kernel_class(v) for v in on}) < len(every) / 2
+    assert all(v in build.builds() for v in on)
     assert "OK: 0 variant(s) failed" in capsys.readouterr().out
 
 

@@ -16,6 +16,9 @@ class Arch:
     cc: tuple[int, int]  # compute capability
     smem_per_block: int  # opt-in shared memory per block, bytes
     gpus: str  # what it stands for
+    # a family target ("f"): one binary for every device of its major whose minor is listed (CUDA 12.9+);
+    # () for an arch-specific target ("a") or a plain one, which serve their own compute capability only
+    family_ccs: tuple[tuple[int, int], ...] = ()
 
     @property
     def cc_int(self) -> int:  # 90 for (9, 0): how Triton's GPUTarget names it
@@ -28,18 +31,29 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("sm_90a", (9, 0), 232_448, "H100, H200"),
     Arch("sm_100a", (10, 0), 232_448, "B200, GB200"),
     Arch("sm_103a", (10, 3), 232_448, "B300, GB300"),
+    # the sm_100 family: the cubin of sm_100a (byte-identical SASS for cute_sm100), loadable on sm_103 as well
+    Arch("sm_100f", (10, 0), 232_448, "B200, GB200, B300, GB300", family_ccs=((10, 0), (10, 3))),
     Arch("sm_120a", (12, 0), 101_376, "RTX 50xx, RTX PRO 6000"),
     Arch("sm_121a", (12, 1), 101_376, "DGX Spark (GB10)"),
 )}
 
 
 def arch_for_cc(cc: tuple[int, int] | None) -> Arch | None:
+    """The device's own (arch-specific) target."""
     if cc is None:
         return None
     for arch in ARCHS.values():
-        if arch.cc == tuple(cc):
+        if arch.cc == tuple(cc) and not arch.family_ccs:
             return arch
     return None
+
+
+def runs_on(arch_name: str, cc: tuple[int, int] | None) -> bool:
+    """Whether a binary built for ``arch_name`` runs on a device of compute capability ``cc``."""
+    arch = ARCHS.get(arch_name)
+    if arch is None or cc is None:
+        return False
+    return tuple(cc) in arch.family_ccs if arch.family_ccs else arch.cc == tuple(cc)
 
 
 def device_capability(device) -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ import pkgutil
 from collections.abc import Iterable, Iterator, Mapping
 
 from mla_backend_plugin import envs
-from mla_backend_plugin.ops.arch import arch_for_cc, device_capability, device_smem_per_block
+from mla_backend_plugin.ops.arch import device_capability, device_smem_per_block, runs_on
 from mla_backend_plugin.ops.manifest import KernelManifest
 
 # kernel="auto": tried in this order per compute-capability major version (SM80/86/89, SM90, SM100/103,
@@ -119,8 +119,7 @@ def kernels_for_device(device) -> tuple[str, ...]:
     cc = device_capability(device)
     if cc is None:
         return tuple(KERNELS)
-    arch = arch_for_cc(cc)
-    names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if arch and arch.name in m.archs)
+    names = AUTO_ORDER.get(cc[0], ()) + tuple(n for n, m in KERNELS.items() if any(runs_on(a, cc) for a in m.archs))
     return tuple(dict.fromkeys(names + tuple(candidate_kernels(cc))))
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from mla_backend_plugin import envs
 from mla_backend_plugin.ops.files import fingerprint
+from mla_backend_plugin.ops.manifest import first_of_each_class
 
 CACHE_ENV_VAR = "CUTE_MLA_CUTE_CACHE"
 META_NAME = "meta.json"
@@ -355,12 +356,18 @@ def _copy_atomic(src: str, dst: str) -> None:
             os.unlink(tmp)
 
 
-def build_in_pool(build_one, variants, arch: str, jobs: int | None, pdl_modes=(True, False)) -> list:
-    """``build_one(variant, arch, use_pdl)`` for every variant and PDL mode in worker processes (each compile is
-    single-threaded and seconds long): a family's ``compile_variants``, whose results the compile CLI prints."""
+def build_in_pool(build_one, variants, arch: str, jobs: int | None, kernel_class, one_per_class: bool = False) -> list:
+    """``build_one(variant, arch, use_pdl)`` in worker processes (each compile is single-threaded and seconds
+    long): a CuTe family's ``compile_variants``, whose results the compile CLI prints. Every variant with PDL on,
+    what the package ships (``CUTE_MLA_PDL=0`` compiles its variant on first use: PDL on and off time alike and give
+    bit-identical outputs, docs/perf/method.md); ``one_per_class``: the first variant of each ``kernel_class`` with
+    PDL on and the first variant with PDL off, a check that another toolchain version compiles every class and the
+    PDL-off path."""
     from concurrent.futures import ProcessPoolExecutor
 
-    builds = [(v, pdl) for pdl in pdl_modes for v in variants]
+    if one_per_class:
+        variants = first_of_each_class(variants, kernel_class)
+    builds = [(v, True) for v in variants] + ([(variants[0], False)] if one_per_class and variants else [])
     if not builds:
         return []
     with ProcessPoolExecutor(max_workers=jobs or min(len(builds), os.cpu_count() or 1, 8)) as pool:

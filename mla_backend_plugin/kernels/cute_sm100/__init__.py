@@ -1,4 +1,4 @@
-"""CuTe-DSL MLA decode for Blackwell (sm_100a, sm_103a): tcgen05 2-CTA MMA, accumulators in tensor memory, TMA
+"""CuTe-DSL MLA decode for Blackwell (sm_100f: B200 and B300): tcgen05 2-CTA MMA, accumulators in tensor memory, TMA
 paging, warp-specialised, split-KV on the balanced plan with the shared combine.
 
 ``kernel.py`` (the kernel: 16-bit caches on kind::f16, fp8 caches on kind::f8f6f4 with q as e4m3 hi + lo or an
@@ -16,7 +16,7 @@ _HERE = "mla_backend_plugin.kernels.cute_sm100"
 MANIFEST = KernelManifest(
     name="cute_sm100",
     description="CuTe-DSL SM100 decode: tcgen05 2-CTA MMA, TMEM, TMA, warp-specialised (Blackwell B200/B300)",
-    archs=("sm_100a", "sm_103a"),
+    archs=("sm_100f",),  # one family binary for sm_100 and sm_103 (launch.py ARCH)
     verified_archs=frozenset(),  # compiled and SASS-checked only; never run on an SM100 GPU
     unsupported_reason=lazy(f"{_HERE}.launch", "unsupported_reason"),
     launch=lazy(f"{_HERE}.launch", "launch"),

@@ -1,5 +1,5 @@
 """Ahead-of-time build of the CuTe-DSL SM100 kernel's variants with no GPU (``python -m mla_backend_plugin.compile
---arch sm_100a`` / ``--arch sm_103a``).
+--arch sm_100f``).
 
 Each variant is compiled for the arch (``--gpu-arch``), its cubin is disassembled (cute_common/sass.py: an
 nvdisasm that decodes the arch, cuobjdump for the resource usage), and the variant fails unless:
@@ -25,7 +25,7 @@ from mla_backend_plugin.kernels.cute_common import sass
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm100 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm100.config import Variant, shared_bytes
-from mla_backend_plugin.ops.manifest import VariantResult, first_of_each_class
+from mla_backend_plugin.ops.manifest import VariantResult
 
 # global and TMA loads (generic LD included: a generic load may read global memory)
 GLOBAL_LOAD = r"(?:LDG|LD|UTMALDG|LDGSTS|ATOMG|REDG)\b"
@@ -102,12 +102,10 @@ def build_one(variant: Variant, arch: str, use_pdl: bool = True) -> VariantResul
 
 
 def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
-                     pdl_modes: tuple[bool, ...] = (True, False), one_per_class: bool = False):
-    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported.
-    ``one_per_class``: the first variant of each ``kernel_class``, PDL on only."""
+                     one_per_class: bool = False):
+    """Every variant for ``arch`` with PDL on, exported (cute_common/aot.py ``build_in_pool``); ``one_per_class``:
+    the first variant of each ``kernel_class`` and the PDL-off path once."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm100 is built for {MANIFEST.archs}, not {arch!r}")
     variants = builds() if variants is None else variants
-    if one_per_class:
-        variants, pdl_modes = first_of_each_class(variants, kernel_class), (True,)
-    return build_in_pool(build_one, variants, arch, jobs, pdl_modes)
+    return build_in_pool(build_one, variants, arch, jobs, kernel_class, one_per_class)

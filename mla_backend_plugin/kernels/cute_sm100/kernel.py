@@ -1,4 +1,4 @@
-"""CuTe-DSL MLA decode kernel for Blackwell (sm_100a / sm_103a): tcgen05 2-CTA MMA, TMEM accumulators, TMA.
+"""CuTe-DSL MLA decode kernel for Blackwell (sm_100f: B200 and B300): tcgen05 2-CTA MMA, TMEM accumulators, TMA.
 
 Design and budgets: docs/design/sm100_cute_mla.md. In short:
 

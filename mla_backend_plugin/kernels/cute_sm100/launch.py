@@ -1,13 +1,14 @@
 """Host side of the CuTe-DSL SM100 decode kernel: support checks, launch configs, the compile cache, the launch.
 
 Importable without cutlass (the registry asks ``unsupported_reason`` on any machine); the DSL is imported on
-first compile. Each variant (config.Variant) is compiled once per process for the device's arch (sm_100a or
-sm_103a) with fake tensors whose batch, lengths and strides are symbolic, so one binary serves every batch and
+first compile. Each variant (config.Variant) is compiled once per process for the sm_100 family
+(sm_100f: one cubin for sm_100 and sm_103) with fake tensors whose batch, lengths and strides are symbolic, so one binary serves every batch and
 cache size; the on-disk cache (cute_common/aot.py) keeps it across processes and hosts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -27,8 +28,11 @@ from mla_backend_plugin.kernels.cute_common.host import (
 from mla_backend_plugin.kernels.cute_sm100.config import BLOCK_N, CTA_ROWS, Variant, softmax_scale_log2
 from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
 
-# compute capability -> the arch the variant is compiled for (the cubins differ: sm_103a's exp2 and MMA paths)
-ARCH_BY_CC = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
+# compute capability -> the arch the variant is compiled for: the sm_100 family target, one cubin for B200 and
+# B300 (its SASS is byte-identical to sm_100a's; an sm_103a build would schedule some exp2 / MMA sequences
+# differently, never measured on hardware: docs/design/sm100_cute_mla.md)
+ARCH = "sm_100f"
+ARCH_BY_CC = {(10, 0): ARCH, (10, 3): ARCH}
 AOT = AotCache.for_family("cute_sm100", "mla_decode_sm100", os.path.dirname(os.path.abspath(__file__)), __name__)
 
 
@@ -37,7 +41,7 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     arch = ARCH_BY_CC.get(tuple(cc))
     if arch is None:
-        return (f"is built for sm_100a / sm_103a (B200, GB200, B300, GB300) only, device has compute capability "
+        return (f"is built for the sm_100 family (sm_100f: B200, GB200, B300, GB300) only, device has compute capability "
                 f"{cc[0]}.{cc[1]}")
     why = aligned_rows_reason(args, outputs=True)
     if why:
@@ -56,11 +60,9 @@ def default_config(args, cc) -> LaunchConfig:
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then PDL toggled, then a larger split cap."""
+    """The default, then a larger split cap (PDL as the default has it: PDL-off variants are not prebuilt)."""
     first = default_config(args, cc)
-    out = [first, LaunchConfig(enable_pdl=not first.enable_pdl)]
-    out += [LaunchConfig(enable_pdl=c.enable_pdl, max_splits=64) for c in list(out)]
-    return list(dict.fromkeys(out))
+    return [first, dataclasses.replace(first, max_splits=64)]
 
 
 def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
@@ -76,7 +78,7 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor))
 
 
-def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = "sm_100a", keep_dir: str | None = None):
+def compile_variant(variant: Variant, use_pdl: bool = True, arch: str = ARCH, keep_dir: str | None = None):
     """Compile one variant with symbolic sizes (cute_common/fake_tensors.py) for ``arch`` (no GPU needed)."""
     import cutlass
     import cutlass.cute as cute

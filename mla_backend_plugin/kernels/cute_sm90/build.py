@@ -19,7 +19,7 @@ from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import PlanVariant, Variant, shared_bytes
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
-from mla_backend_plugin.ops.manifest import VariantResult, first_of_each_class
+from mla_backend_plugin.ops.manifest import VariantResult
 
 
 def serving_variants() -> list[Variant]:
@@ -122,12 +122,10 @@ def _build_one(variant: Variant | PlanVariant, arch: str, use_pdl: bool = True):
 
 
 def compile_variants(arch: str, variants: list[Variant] | None = None, jobs: int | None = None,
-                     pdl_modes: tuple[bool, ...] = (True, False), one_per_class: bool = False):
-    """Every variant for ``arch``, with PDL on and (``CUTE_MLA_PDL=0`` deployments) off: both are exported.
-    ``one_per_class``: the first variant of each ``kernel_class``, PDL on only."""
+                     one_per_class: bool = False):
+    """Every variant for ``arch`` with PDL on, exported (cute_common/aot.py ``build_in_pool``); ``one_per_class``:
+    the first variant of each ``kernel_class`` and the PDL-off path once."""
     if arch not in MANIFEST.archs:
         raise ValueError(f"cute_sm90 is built for {MANIFEST.archs}, not {arch!r}")
     variants = builds() if variants is None else variants
-    if one_per_class:
-        variants, pdl_modes = first_of_each_class(variants, kernel_class), (True,)
-    return build_in_pool(_build_one, variants, arch, jobs, pdl_modes)
+    return build_in_pool(_build_one, variants, arch, jobs, kernel_class, one_per_class)
