@@ -108,9 +108,8 @@ def test_first_of_each_class_keeps_the_first_of_each_in_order():
 def test_compile_builds_every_variant_pdl_on_and_one_per_class_adds_pdl_off_once(family, arch, monkeypatch, capsys):
     """`compile` builds (and ships) every variant with PDL on; `compile --one-per-class` (CI's pass against the
     newer CuTe-DSL) the family's first variant of each kernel class with PDL on and the first with PDL off."""
-    import importlib
-
     import concurrent.futures
+    import importlib
 
     from mla_backend_plugin import compile as compile_cli
 

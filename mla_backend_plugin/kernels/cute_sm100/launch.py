@@ -1,9 +1,9 @@
 """Host side of the CuTe-DSL SM100 decode kernel: support checks, launch configs, the compile cache, the launch.
 
 Importable without cutlass (the registry asks ``unsupported_reason`` on any machine); the DSL is imported on
-first compile. Each variant (config.Variant) is compiled once per process for the sm_100 family
-(sm_100f: one cubin for sm_100 and sm_103) with fake tensors whose batch, lengths and strides are symbolic, so one binary serves every batch and
-cache size; the on-disk cache (cute_common/aot.py) keeps it across processes and hosts.
+first compile. Each variant (config.Variant) is compiled once per process for the sm_100 family (sm_100f: one
+cubin for sm_100 and sm_103) with fake tensors whose batch, lengths and strides are symbolic, so one binary serves
+every batch and cache size; the on-disk cache (cute_common/aot.py) keeps it across processes and hosts.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def unsupported_reason(args, cc) -> str | None:
         return "needs a CUDA device"
     arch = ARCH_BY_CC.get(tuple(cc))
     if arch is None:
-        return (f"is built for the sm_100 family (sm_100f: B200, GB200, B300, GB300) only, device has compute capability "
-                f"{cc[0]}.{cc[1]}")
+        return (f"is built for the sm_100 family (sm_100f: B200, GB200, B300, GB300) only, device has compute "
+                f"capability {cc[0]}.{cc[1]}")
     why = aligned_rows_reason(args, outputs=True)
     if why:
         return why

@@ -94,10 +94,10 @@ def configs(args, cc) -> list[LaunchConfig]:
     """The default, then: the other fp8 design (fp8 caches), the other schedules (16-bit caches: seesaw32 is
     faster where a CTA runs 8-32 tiles, docs/perf/cute_sm90_bf16.md; the lock step was faster at B=8 in an earlier
     A/B), each also with a larger split cap. PDL stays as the default has it: a lone kernel times the same with it
-    on and off (docs/perf/tuner.md), and PDL-off variants are not prebuilt. All under the default's split plan (the share plan is not a
-    tuner candidate, docs/perf/split_plan.md) and combine: the combine kernel after a grid that fits at once was
-    slower or equal in every cell measured (docs/perf/combine.md: the fused combine 0.92x time geomean, no cell
-    above 1.010x)."""
+    on and off (docs/perf/method.md), and PDL-off variants are not prebuilt. All under the default's split plan
+    (the share plan is not a tuner candidate, docs/perf/split_plan.md) and combine: the combine kernel after a grid
+    that fits at once was slower or equal in every cell measured (docs/perf/combine.md: the fused combine 0.92x
+    time geomean, no cell above 1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
