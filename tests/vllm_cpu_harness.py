@@ -573,6 +573,15 @@ def scenario_varlen_decode() -> None:
     tr = meta.decode.token_requests
     assert meta.num_decodes == 3 and tr is not None and tr.seq_lens.shape[0] == 50
     assert tr.seq_lens.tolist()[-2:] == [0, 0]
+    # A uniform batch of q_len 3 without speculation (3-token tails of prefix-cache hits, seen at TP 2 on two H100s:
+    # the folded call raised "q_len 3 exceeds the workspace's max_q_len=1") is recast as well, and decodes
+    assert builder.workspace.max_q_len == 1
+    meta = _varlen_metadata(builder, inp.block_table[:3], seq_lens[4:7], [3, 3, 3])
+    tr = meta.decode.token_requests
+    assert meta.num_decodes == 3 and tr is not None and tr.q_len == 1 and tr.seq_lens.shape[0] == 9
+    q3 = torch.randn(9, 128, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    runner.decode(q3, inp.kv_cache, meta.decode.block_table, meta.decode.seq_lens, meta.decode.workspace,
+                  max_seq_len=meta.decode.max_seq_len, token_requests=tr)
 
     # full CUDA graphs are captured for uniform batches only: a mixed one is refused, not replayed stale
     assert builder.build_for_cudagraph_capture(

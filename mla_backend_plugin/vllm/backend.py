@@ -108,7 +108,9 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             num_tokens = kwargs["num_decode_tokens"]
             query_lens = compat.decode_query_lens(kwargs)
             q_len = serving.uniform_query_len(query_lens, num_tokens)
-            if q_len is None or q_len > MAX_Q_LEN:  # vLLM runs such a step eagerly
+            # a uniform q_len past the workspace's (1 + speculative tokens, or the token requests' q_len), e.g. a
+            # step of 3-token prefix-cache tails without speculation, is recast too: vLLM runs such a step eagerly
+            if q_len is None or q_len > self.workspace.max_q_len:
                 max_seq_len = compat.decode_max_seq_len(kwargs)
                 # page_size: vLLM hands builders the kernel block size (the block table's unit)
                 token_requests = serving.token_requests(
