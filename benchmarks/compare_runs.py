@@ -15,7 +15,16 @@ from pathlib import Path
 
 
 def load(run_dir: Path, kernel: str) -> dict[tuple, dict]:
+    """The kernel's rows by cell. ``kernel`` names a label exactly or a kernel whose run has one labelled form
+    (``cute_sm90`` finds ``cute_sm90/fp8q``, what ``--ours-fp8-q fp8`` writes)."""
     rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    labels = {r["kernel"] for r in rows}
+    if kernel not in labels:
+        forms = sorted(k for k in labels if k.split("/")[0] == kernel)
+        if len(forms) > 1:
+            raise SystemExit(f"{run_dir}: --kernel {kernel} names {len(forms)} labels ({', '.join(forms)}); "
+                             f"give one")
+        kernel = forms[0] if forms else kernel
     return {(r["batch"], r["seq_len"], r["q_len"], r["kv_dtype"]): r for r in rows if r["kernel"] == kernel}
 
 

@@ -49,6 +49,12 @@ def test_compare_runs_ratios(tmp_path):
     geo = (1.1 * 1.0 * 0.5) ** (1 / 3)
     assert f"b / a: 3 cells, time ratio geomean {geo:.4f}, min 0.500, max 1.100" in proc.stdout, proc.stdout
     assert "slower  (1, 1024, 1, 'bf16'): 10.0 -> 11.0 us (1.100)" in proc.stdout
+    # a run of --ours-fp8-q fp8 labels the kernel cute_sm90/fp8q: --kernel cute_sm90 finds it
+    for d in (a, b):
+        path = tmp_path / d / "results.json"
+        path.write_text(path.read_text().replace('"cute_sm90"', '"cute_sm90/fp8q"'))
+    proc = _run("benchmarks/compare_runs.py", a, b, "--show", "1")
+    assert f"b / a: 3 cells, time ratio geomean {geo:.4f}" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_bench_candidates_dry_run_expands_configs():
