@@ -445,7 +445,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     grid.add_argument("--q-lens", type=_int_list, help="query tokens per request, e.g. 1,2")
     grid.add_argument("--kv-dtypes", type=_name_list, help="KV-cache dtypes: bf16, fp8")
     grid.add_argument("--num-heads", type=int, default=128, help="query heads per rank (default: %(default)s)")
-    grid.add_argument("--block-size", type=int, default=64, help="KV-cache page size (default: %(default)s)")
+    grid.add_argument("--block-size", "--block-sizes", type=_int_list, default=[64], dest="block_size",
+                      help="KV-cache page size(s), e.g. 16,32,64,128: each kernel is timed at each (a section per "
+                           "size; a peer that needs another size shows n/a there) (default: 64)")
     grid.add_argument("--ragged", choices=RAGGED_KINDS, default="none",
                       help="ragged batches: request 0 has S, the others --ragged-short tokens (one-long) or "
                            "log-normal lengths with median S/16 (long-tail). Compare time_us only: bytes, "
@@ -510,8 +512,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_cells(args) -> list[Cell]:
-    return [Cell(batch=b, seq_len=s, q_len=q, kv_dtype=d, num_heads=args.num_heads, block_size=args.block_size)
-            for d in args.kv_dtypes for q in args.q_lens for b in args.batches for s in args.seq_lens]
+    return [Cell(batch=b, seq_len=s, q_len=q, kv_dtype=d, num_heads=args.num_heads, block_size=bs)
+            for bs in args.block_size for d in args.kv_dtypes for q in args.q_lens for b in args.batches
+            for s in args.seq_lens]
 
 
 def resolve_kernels(args, cc) -> tuple[str, ...]:
@@ -583,7 +586,7 @@ def dry_run(args, cells: list[Cell], runners: list) -> None:
               f"H100-sized L2 ({l2_bytes >> 20} MiB)")
     print(f"grid '{args.grid_name}': {len(cells)} cells = B {list(args.batches)} x S {list(args.seq_lens)} x "
           f"q_len {list(args.q_lens)} x KV {list(args.kv_dtypes)}; {args.num_heads} heads, block size "
-          f"{args.block_size}; ~{args.time_per_kernel} s of replays per kernel and cell")
+          f"{'/'.join(map(str, args.block_size))}; ~{args.time_per_kernel} s of replays per kernel and cell")
     if args.ragged != "none":
         for b in sorted(set(args.batches)):
             for seq in sorted(set(args.seq_lens)):
@@ -639,7 +642,7 @@ def warm_up_flashinfer(args) -> str | None:
     """
     cmd = [sys.executable, str(Path(peers.__file__).resolve()), "--smoke", "flashinfer_mla",
            "--kv-dtypes", ",".join(args.kv_dtypes), "--q-lens", ",".join(map(str, args.q_lens)),
-           "--block-size", str(args.block_size), "--num-heads", str(args.num_heads)]
+           "--block-size", str(args.block_size[0]), "--num-heads", str(args.num_heads)]
     print(f"FlashInfer warm-up (JIT, up to {args.flashinfer_timeout:.0f} s): {' '.join(cmd)}", flush=True)
     t0 = time.time()
     # Own session, so that on timeout the compiler processes it started are ended with it.
@@ -735,7 +738,7 @@ def main(argv=None) -> int:
                 command=" ".join(["python"] + (sys.argv if argv is None else [sys.argv[0], *argv])),
                 grid=f"{args.grid_name}: B {list(args.batches)} x S {list(args.seq_lens)} x q_len "
                      f"{list(args.q_lens)} x KV {list(args.kv_dtypes)}, {args.num_heads} heads, block "
-                     f"{args.block_size}" + ("" if args.ragged == "none" else
+                     f"{'/'.join(map(str, args.block_size))}" + ("" if args.ragged == "none" else
                                              f", ragged {args.ragged} (short {args.ragged_short}; metrics "
                                              f"other than time assume S for every request)"),
                 versions=_versions(), unavailable=unavailable,

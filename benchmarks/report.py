@@ -273,6 +273,12 @@ def _sections(rows: Sequence[dict]) -> list[tuple[str, int]]:
     return sorted(keys, key=lambda k: (k[0] != "bf16", k[0], k[1]))
 
 
+def _page_sections(rows: Sequence[dict]) -> list[tuple[str, int, int]]:
+    """(kv_dtype, q_len, block_size) triples present: the markdown's sections (one page size per table)."""
+    keys = {(r["kv_dtype"], r["q_len"], r["block_size"]) for r in rows}
+    return sorted(keys, key=lambda k: (k[0] != "bf16", k[0], k[1], k[2]))
+
+
 def _fmt(value, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
@@ -343,15 +349,16 @@ def render_markdown(rows: Sequence[dict], meta: dict) -> str:
               "dtype) (q_dtype changes the bytes a little: the column shows the first kernel's); `%floor` = the "
               "kernel's own floor (its MMA dtype) / time; `x best peer` = fastest correct peer's time / ours. "
               + MMA_DTYPE_HELP + ".", ""]
-    for kv_dtype, q_len in _sections(rows):
-        section = [r for r in rows if r["kv_dtype"] == kv_dtype and r["q_len"] == q_len]
+    several_pages = len({r["block_size"] for r in rows}) > 1
+    for kv_dtype, q_len, block_size in _page_sections(rows):
+        section = [r for r in rows if (r["kv_dtype"], r["q_len"], r["block_size"]) == (kv_dtype, q_len, block_size)]
         cells = sorted({cell_key(r) for r in section})
         mma = _section_mma_dtypes(section, kernels)
         floor_dtypes = _floor_dtypes(section)
         header = ["B", "S"] + [f"floor {d}" for d in floor_dtypes] + [f"{k}" for k in kernels]
         for k in ours:
             header += [f"%floor {k}", f"x best peer {k}"]
-        lines += [f"## KV {kv_dtype}, q_len {q_len}", ""]
+        lines += [f"## KV {kv_dtype}, q_len {q_len}" + (f", block {block_size}" if several_pages else ""), ""]
         if any(r.get("mma_dtype") for r in section):  # results of runs before mma_dtype existed have none
             lines += ["MMA dtype: " + ", ".join(f"{k} {d}" for k, d in mma.items()) + ".", ""]
         lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
@@ -521,7 +528,12 @@ def plot_cell_heatmaps(rows: Sequence[dict], path: Path, kernel: str, value_key:
 
 
 def write_plots(rows: Sequence[dict], plot_dir: Path) -> list[Path]:
-    """Every PNG of the report; returns the files written."""
+    """Every PNG of the report; returns the files written. Runs of several page sizes plot the default one (64) or
+    else the smallest (the markdown has them all)."""
+    pages = sorted({r["block_size"] for r in rows})
+    if len(pages) > 1:
+        page = 64 if 64 in pages else pages[0]
+        rows = [r for r in rows if r["block_size"] == page]
     plot_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kv_dtype, q_len in _sections(rows):

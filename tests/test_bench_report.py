@@ -206,3 +206,31 @@ def test_ncu_summary_picks_the_budget_metrics(tmp_path):
     bad.write_text("nothing\n")
     proc = _run("benchmarks/ncu_decode.py", "--summarize", str(bad))
     assert proc.returncode != 0 and "no ncu raw CSV" in proc.stderr
+
+
+def test_several_block_sizes_time_each_kernel_at_each_page_size():
+    """--block-sizes 16,64: every cell at each page size (a peer that needs 64 says so at 16), one markdown section
+    per (KV, q_len, page size)."""
+    import importlib
+
+    proc = _run("benchmarks/bench_decode.py", "--dry-run", "--kernels", "cute_sm90", "--peers", "flashmla",
+                "--batches", "8", "--seq-lens", "1024", "--q-lens", "1", "--kv-dtypes", "bf16",
+                "--block-sizes", "16,64", "--assume-sm", "90")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 cells" in proc.stdout and "block size 16/64" in proc.stdout, proc.stdout[-3000:]
+    assert "FlashMLA needs block size 64, cell has 16" in proc.stdout, proc.stdout[-3000:]
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        report = importlib.import_module("report")
+    finally:
+        sys.path.pop(0)
+    rows = []
+    for page, t in ((16, 30.0), (64, 20.0)):
+        cell = dict(batch=8, seq_len=1024, q_len=1, kv_dtype="bf16", num_heads=128, block_size=page)
+        rows.append(report.new_row("cute_sm90", report.OURS, cell, "bf16", report.OK, ""))
+        rows[-1]["time_us"] = t
+    md = report.render_markdown(rows, {})
+    assert "## KV bf16, q_len 1, block 16" in md and "## KV bf16, q_len 1, block 64" in md
+    one = report.render_markdown(rows[1:], {})
+    assert "## KV bf16, q_len 1\n" in one and "block 64" not in one

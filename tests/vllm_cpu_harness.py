@@ -129,6 +129,16 @@ def scenario_cli_routes() -> None:
         assert "non-MLA not supported" in str(e), e
     else:
         raise AssertionError("CUTE_MLA accepted a non-MLA layer")
+    # with no --block-size vLLM asks the backend (get_preferred_block_size(16)): 64, the page the kernels are tuned
+    # at, where vLLM's own rule keeps 16; every supported size stays accepted when a user names it
+    from vllm.v1.attention.backend import AttentionBackend
+
+    from mla_backend_plugin.vllm.backend import CuteMLABackend
+
+    assert AttentionBackend.get_preferred_block_size.__func__(CuteMLABackend, 16) == 16
+    assert CuteMLABackend.get_preferred_block_size(16) == 64
+    assert all(CuteMLABackend.supports_block_size(b) for b in (16, 32, 64, 128))
+    assert not CuteMLABackend.supports_block_size(8)
 
 
 def scenario_env_var() -> None:

@@ -14,6 +14,8 @@ SUPPORTED_Q_LENS = (1, 2, 3, 4)
 MAX_Q_LEN = max(SUPPORTED_Q_LENS)
 # KV-cache page sizes (tokens per block) that vLLM may hand us.
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+# the page size an engine should give the kernels when its user names none: what they are tuned and prebuilt at
+PREFERRED_BLOCK_SIZE = 64
 
 # int32s per work item in a workspace's step table (kernels/cute_common/scheduler.py ``StepPlanKernel``): request + 1
 # (0 past the schedule's end), request, its KV length, its splits, its first partial slot, the item's KV range

@@ -15,7 +15,7 @@ from vllm.config import VllmConfig, get_current_vllm_config
 
 from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import DcpLayout, serving
-from mla_backend_plugin.ops.constants import MAX_Q_LEN, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
+from mla_backend_plugin.ops.constants import MAX_Q_LEN, PREFERRED_BLOCK_SIZE, QK_HEAD_DIM, SUPPORTED_BLOCK_SIZES
 from mla_backend_plugin.ops.workspace import MLAWorkspace
 from mla_backend_plugin.testing.reference_check import engine_check
 from mla_backend_plugin.vllm import compat  # every vLLM class this module builds on, version-resolved
@@ -294,6 +294,14 @@ class CuteMLABackend(compat.MLACommonBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
         return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int = 16, *args, **kwargs) -> int:
+        """The page size vLLM gives CUTE_MLA when the user passes no ``--block-size`` (vLLM's default, 16, would be
+        kept since 16 is supported): PREFERRED_BLOCK_SIZE, the page the kernels are tuned, prebuilt and
+        benchmarked at (one page per 64-key tile: one TMA box and one block-table read per tile where 16-token
+        pages take four). A user's ``--block-size`` of any supported size still wins."""
+        return PREFERRED_BLOCK_SIZE
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
