@@ -134,7 +134,8 @@ def test_launch_configs(monkeypatch):
     assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
         False} and all(c.balanced and c.schedule is None and not c.fused_combine for c in candidates)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
-    with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant"):
+    with pytest.raises(ValueError,
+                       match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant, fp8seesaw"):
         launch.default_config(fp8, (9, 0))
 
 

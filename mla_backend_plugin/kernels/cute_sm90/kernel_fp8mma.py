@@ -229,23 +229,29 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def issue_tma(self, tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j):
-        """Warp 0: wait until stage j % 2 is free, then load tile j (64 keys) into it, page slice by slice."""
+        """Warp 0: wait until tile j's stage (j modulo the ring's stages) is free, then load tile j (64 keys) into
+        it, page slice by slice (``rings``: anything with ``full_k`` and ``empty_k`` rings, as design C's)."""
         tile_start = kv_start + j * BLOCK_N
         first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
         rings.empty_k.wait_released(j)
         with cute.arch.elect_one():
             rings.full_k.arrive_expect_tx(j, K_STAGE_BYTES)
-        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, j % STAGES,
-                      rings.full_k.slot(j), 0, K_CHUNKS)
+        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page,
+                      j % rings.full_k.stages, rings.full_k.slot(j), 0, K_CHUNKS)
+
+    @cute.jit
+    def tma_partitions(self, tma_atom, tma_tensor, sK):
+        """The TMA views of the K ring (boxes of box_rows x 64 bytes) and of the cache, for ``issue_tma``."""
+        rb = self.box_rows
+        s_boxes = cute.flat_divide(sK, (rb, 64))
+        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
+        return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
+                                     cute.group_modes(g_boxes, 0, 2))
 
     @cute.jit
     def produce_b(self, tma_atom, tma_tensor, sK, sVt, rings, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,
                   warp_idx):
-        rb = self.box_rows
-        s_boxes = cute.flat_divide(sK, (rb, 64))
-        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
-        tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
-                                         cute.group_modes(g_boxes, 0, 2))
+        tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
         num_blocks = mKV.shape[0]
 
         # ---- transpose map (see the module docstring). Lane bits: b0 -> which of two adjacent 16-column

@@ -1,0 +1,162 @@
+"""CPU tests of cute_sm90's fp8 "design C" (kernels/cute_sm90/kernel_fp8seesaw.py, ``fp8_design="fp8seesaw"``).
+
+* The V^T fragments: an emulation of what the kernel issues per tile, with the kernel's own index functions
+  (kernels/cute_sm90/fp8seesaw_layout.py): the K tile as TMA leaves it in shared memory, each lane's
+  ``ldmatrix.trans.x4`` at ``ldsm_offset``, ``prmt`` 0x6420 / 0x7531, the byte mask of keys past the split's end;
+  P stored at ``p_offset(row, slot_of_key(key))``; then the wgmma m64n64k32 as the PTX ISA defines its A (register
+  fragment: row lane / 4 (+ 8) of warp w, k 4 (lane % 4) .. + 3 (+ 16)) and K-major B operands, the accumulator's
+  rows mapped back by ``latent_of_row``. The product must equal V^T P^T of the unpermuted bytes exactly.
+* One real sm_90a compile (no GPU needed) whose SASS must hold e4m3 wgmma only, ldmatrix.trans, TMA loads, no
+  spills and no serialised wgmma; and the wiring (the design is chosen only by name, and refuses a 16-bit q).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from mla_backend_plugin.kernels.cute_sm90 import fp8seesaw_layout as lay
+from mla_backend_plugin.kernels.cute_sm90.config import Variant
+
+HAS_DSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
+KEYS, D_NOPE, D_QK = 64, 512, 576
+
+
+def k_tile_smem(v: np.ndarray) -> np.ndarray:
+    """One stage of the K ring: v [64 keys, 576] bytes placed at ``tile_offset``."""
+    smem = np.zeros(KEYS * D_QK, dtype=np.int64)
+    for key in range(KEYS):
+        for col in range(D_QK):
+            smem[lay.tile_offset(key, col)] = v[key, col]
+    return smem
+
+
+def ldmatrix_trans_x4(smem: np.ndarray, addrs: list[int]) -> np.ndarray:
+    """[lane, matrix, 4 bytes]: matrix i's row r is the 16 bytes at lane 8 i + r's address; .trans hands lane t
+    the 16-bit element t / 4 of rows 2 (t % 4) and 2 (t % 4) + 1."""
+    regs = np.zeros((32, 4, 4), dtype=np.int64)
+    for i in range(4):
+        m = np.stack([smem[a:a + 16] for a in addrs[8 * i:8 * i + 8]])
+        for t in range(32):
+            c, r0 = t // 4, 2 * (t % 4)
+            regs[t, i] = np.concatenate([m[r0, 2 * c:2 * c + 2], m[r0 + 1, 2 * c:2 * c + 2]])
+    return regs
+
+
+def prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+    both = np.concatenate([a, b])
+    return np.array([both[(selector >> (4 * k)) & 7] for k in range(4)])
+
+
+def emulate_fragments(smem: np.ndarray, side: int, valid: int) -> np.ndarray:
+    """What ``load_vt`` leaves in the registers: [warp, lane, m-tile, k-step, reg, byte]."""
+    out = np.zeros((4, 32, 4, 2, 4, 4), dtype=np.int64)
+    for warp in range(4):
+        for k in range(2):
+            keep = np.array([[[lay.fragment_key(lane, k, 2 * h, q) < valid for q in range(4)] for h in range(2)]
+                             for lane in range(32)])
+            for mt in range(4):
+                addrs = [lay.ldsm_offset(lane, warp, 4 * side + mt, k) for lane in range(32)]
+                regs = ldmatrix_trans_x4(smem, addrs)
+                for lane in range(32):
+                    r = regs[lane]
+                    frag = [prmt(r[0], r[1], lay.PRMT_LO), prmt(r[0], r[1], lay.PRMT_HI),
+                            prmt(r[2], r[3], lay.PRMT_LO), prmt(r[2], r[3], lay.PRMT_HI)]
+                    for reg in range(4):
+                        out[warp, lane, mt, k, reg] = frag[reg] * keep[lane, reg >> 1]
+    return out
+
+
+def wgmma_pv(frags: np.ndarray, pt: np.ndarray) -> np.ndarray:
+    """O^T [256 accumulator rows, 64 query rows] of 2 k-steps x 4 m-tiles of m64n64k32: A from the register
+    fragments as the PTX ISA lays them out, B = the P^T tile [row n][slot] (K-major)."""
+    acc = np.zeros((256, 64), dtype=np.int64)
+    for mt in range(4):
+        a = np.zeros((64, 64), dtype=np.int64)  # [m, k slot of the tile]
+        for warp in range(4):
+            for lane in range(32):
+                for k in range(2):
+                    for reg in range(4):
+                        m = 16 * warp + lane // 4 + 8 * (reg & 1)
+                        for byte in range(4):
+                            a[m, 32 * k + 16 * (reg >> 1) + 4 * (lane % 4) + byte] = frags[warp, lane, mt, k, reg, byte]
+        acc[64 * mt:64 * mt + 64] = a @ pt.T
+    return acc
+
+
+def store_pt(p: np.ndarray) -> np.ndarray:
+    """What ``store_p_t`` writes (P [64 rows, 64 keys] at ``p_offset(row, slot_of_key(key))``), read back as the
+    B operand [row n][slot] through the same swizzled address."""
+    smem = np.zeros(KEYS * 64, dtype=np.int64)
+    for row in range(64):
+        for key in range(KEYS):
+            smem[lay.p_offset(row, lay.slot_of_key(key))] = p[row, key]
+    return np.array([[smem[lay.p_offset(n, s)] for s in range(KEYS)] for n in range(64)])
+
+
+@pytest.mark.parametrize("valid", [64, 37, 0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulated_fragments_give_vt_pt(seed, valid):
+    """The emulated register fragments times the stored P^T equal V^T P^T over every latent column (both
+    groups), with the keys >= ``valid`` contributing nothing even where their bytes are not finite."""
+    rng = np.random.default_rng(seed)
+    v = rng.integers(0, 256, size=(KEYS, D_QK))
+    p = rng.integers(0, 256, size=(64, KEYS))
+    smem = k_tile_smem(v)
+    pt = store_pt(p)
+    ref = (v[:valid, :D_NOPE].T @ p[:, :valid].T)  # [512 latent, 64 rows]
+    for side in range(2):
+        acc = wgmma_pv(emulate_fragments(smem, side, valid), pt)
+        got = np.zeros((256, 64), dtype=np.int64)
+        for m in range(256):
+            got[lay.latent_of_row(m)] = acc[m]
+        np.testing.assert_array_equal(got, ref[256 * side:256 * side + 256])
+
+
+def test_permutations_are_bijections_and_ldmatrix_is_conflict_free():
+    assert sorted(lay.key_of_slot(s) for s in range(64)) == list(range(64))
+    assert all(lay.slot_of_key(lay.key_of_slot(s)) == s for s in range(64))
+    assert sorted(lay.latent_of_row(m) for m in range(256)) == list(range(256))
+    assert sorted(lay.p_offset(n, s) for n in range(64) for s in range(64)) == list(range(4096))
+    # each 8-lane phase of an ldmatrix reads 8 distinct 16-byte bank groups
+    for warp in range(4):
+        for k in range(2):
+            for phase in range(4):
+                units = {(lay.ldsm_offset(lane, warp, 0, k) // 16) % 8 for lane in range(8 * phase, 8 * phase + 8)}
+                assert len(units) == 8
+
+
+def test_design_c_only_by_name_and_with_an_fp8_q():
+    from mla_backend_plugin.kernels.cute_sm90 import build, launch
+    from mla_backend_plugin.ops.manifest import LaunchConfig
+
+    with pytest.raises(ValueError, match="fp8_design='fp8seesaw' needs an fp8 q"):
+        Variant("fp8", "bf16", "bf16", 128, 1, 64, False, True, fp8_mma=True, fp8_seesaw=True)
+    v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
+    assert v.name.endswith(" fp8seesaw") and build.kernel_class(v)[0] == "fp8seesaw"
+    assert not any(x.fp8_seesaw for x in build.serving_variants())
+    assert "fp8seesaw" in launch.UNTUNED_FP8_DESIGNS
+    assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+def test_fp8seesaw_compiles_to_e4m3_wgmma_with_ldmatrix_trans(tmp_path):
+    from mla_backend_plugin.kernels.cute_sm90.build import _cuobjdump, inspect_cubin, sass_problems
+    from mla_backend_plugin.kernels.cute_sm90.launch import compile_variant
+
+    v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
+    compiled = compile_variant(v, use_pdl=True, arch="sm_90a", keep_dir=str(tmp_path))
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled.__cubin__)
+    info = inspect_cubin(str(path))
+    assert not sass_problems(v, info), sass_problems(v, info)
+    sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    qk = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass))
+    # S over 18 k-steps (each group's first tile and its next tiles: 2 call sites per group); P V: 3 call sites
+    # (left 2, right 2: 4) x 2 k-steps x 4 m-tiles of the same 64x64x32 shape
+    assert qk == 4 * 18 + 4 * 8, qk
+    assert info["ldsm_t"] == 4 * 8, info  # 4 P V call sites x 2 k-steps x 4 m-tiles
