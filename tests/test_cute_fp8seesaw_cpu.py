@@ -53,15 +53,15 @@ def prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
 
 
 def emulate_fragments(smem: np.ndarray, side: int, valid: int) -> np.ndarray:
-    """What ``load_vt`` leaves in the registers: [warp, lane, m-tile, k-step, reg, byte]."""
+    """What ``load_vt`` leaves in the registers, k-step by k-step: [warp, lane, m-tile, k-step, reg, byte]."""
     out = np.zeros((4, 32, 4, 2, 4, 4), dtype=np.int64)
     for warp in range(4):
+        base = [lay.ldsm_thread_base(lane, warp) for lane in range(32)]
         for k in range(2):
             keep = np.array([[[lay.fragment_key(lane, k, 2 * h, q) < valid for q in range(4)] for h in range(2)]
                              for lane in range(32)])
             for mt in range(4):
-                addrs = [lay.ldsm_offset(lane, warp, 4 * side + mt, k) for lane in range(32)]
-                regs = ldmatrix_trans_x4(smem, addrs)
+                regs = ldmatrix_trans_x4(smem, [b + lay.ldsm_immediate(4 * side + mt, k) for b in base])
                 for lane in range(32):
                     r = regs[lane]
                     frag = [prmt(r[0], r[1], lay.PRMT_LO), prmt(r[0], r[1], lay.PRMT_HI),
@@ -89,12 +89,20 @@ def wgmma_pv(frags: np.ndarray, pt: np.ndarray) -> np.ndarray:
 
 
 def store_pt(p: np.ndarray) -> np.ndarray:
-    """What ``store_p_t`` writes (P [64 rows, 64 keys] at ``p_offset(row, slot_of_key(key))``), read back as the
-    B operand [row n][slot] through the same swizzled address."""
-    smem = np.zeros(KEYS * 64, dtype=np.int64)
-    for row in range(64):
-        for key in range(KEYS):
-            smem[lay.p_offset(row, lay.slot_of_key(key))] = p[row, key]
+    """What ``store_p_t`` writes: each thread's 32 S-accumulator values (value v of lane l of warp w: row
+    16 w + l // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (l % 4) + (v & 1), the wgmma m64nNk32 C layout) at
+    ``(p_thread_base ^ xor) + immediate``; read back as the B operand [row n][k slot] through ``p_offset``, the
+    K-major swizzled layout the wgmma descriptor reads."""
+    smem = np.full(64 * KEYS, -1, dtype=np.int64)
+    for warp in range(4):
+        for lane in range(32):
+            base = lay.p_thread_base(lane, warp)
+            for v in range(32):
+                row = 16 * warp + lane // 4 + 8 * ((v >> 1) & 1)
+                key = 8 * (v >> 2) + 2 * (lane % 4) + (v & 1)
+                xor, imm = lay.p_value_terms(v)
+                smem[(base ^ xor) + imm] = p[row, key]
+    assert (smem >= 0).all()  # every byte written once
     return np.array([[smem[lay.p_offset(n, s)] for s in range(KEYS)] for n in range(64)])
 
 
@@ -143,6 +151,19 @@ def test_design_c_only_by_name_and_with_an_fp8_q():
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
 
 
+def test_fp8seesaw_with_a_16_bit_q_is_refused_by_name():
+    import torch
+
+    from mla_backend_plugin.ops import mla_decode
+    from mla_backend_plugin.ops.inputs import make_decode_inputs
+
+    inp = make_decode_inputs(2, [70, 300], 1, 16, 16, torch.float8_e4m3fn, "cat", "cpu", 0, kv_scale=2.0)
+    with pytest.raises(ValueError, match=r"fp8_design: 'fp8seesaw' needs an fp8 q \(q is torch.bfloat16\); "
+                                         r"allowed with this q: fp8mma, dequant"):
+        mla_decode(*inp.call_args(), softmax_scale=0.1, kernel="reference", out_dtype=torch.bfloat16,
+                   fp8_design="fp8seesaw", **inp.scale_kwargs())
+
+
 @pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 def test_fp8seesaw_compiles_to_e4m3_wgmma_with_ldmatrix_trans(tmp_path):
     from mla_backend_plugin.kernels.cute_sm90.build import _cuobjdump, inspect_cubin, sass_problems
@@ -155,8 +176,9 @@ def test_fp8seesaw_compiles_to_e4m3_wgmma_with_ldmatrix_trans(tmp_path):
     info = inspect_cubin(str(path))
     assert not sass_problems(v, info), sass_problems(v, info)
     sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    qk = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass))
-    # S over 18 k-steps (each group's first tile and its next tiles: 2 call sites per group); P V: 3 call sites
-    # (left 2, right 2: 4) x 2 k-steps x 4 m-tiles of the same 64x64x32 shape
-    assert qk == 4 * 18 + 4 * 8, qk
-    assert info["ldsm_t"] == 4 * 8, info  # 4 P V call sites x 2 k-steps x 4 m-tiles
+    mma = len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", sass))
+    # S over 18 k-steps at 4 call sites (each group's first tile and its next ones); P V at 4 (P_A V_A and P_B V_B
+    # in each group) x 2 k-steps x 4 m-tiles, all m64n64k32
+    assert mma == 4 * 18 + 4 * 8, mma
+    assert info["ldsm_t"] == 4 * 8, info  # one ldmatrix.trans.x4 per P V wgmma
+    assert len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass)) == 4 * 2 + 4 * 8  # RS

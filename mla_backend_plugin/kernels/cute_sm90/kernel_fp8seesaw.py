@@ -237,9 +237,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_C)
                 if warp_idx == 0:
-                    tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
-                    for j in cutlass.range(2 * n_pairs, unroll=1):
-                        self.issue_tma(tma_atom, tKg, tKs, rings, mBT, mKV.shape[0], b, kv_start, kv_end, j)
+                    self.produce_c(tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, n_pairs)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_C)
                 self.consume_c(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, rings, sQ, sK, sPA, sP1, sMaxA, sMaxB,
@@ -253,6 +251,14 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             cute.arch.griddepcontrol_launch_dependents()
 
     # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce_c(self, tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, n_pairs):
+        """Warp 0: the pairs' tiles in order into the ring (design B's ``issue_tma``)."""
+        tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
+        num_blocks = mKV.shape[0]
+        for j in cutlass.range(2 * n_pairs, unroll=1):
+            self.issue_tma(tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j)
+
     @cute.jit
     def issue_qk(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, j):
         """Issue (not wait for) S = Q K^T of tile ``j`` once it has landed."""
@@ -420,7 +426,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 0, warp, lane,
                                 kv_end - tile_start - BLOCK_N)
                 if i + 1 < n_pairs:
-                    warpgroup.wait_group(0)  # (the fragments and S together do not fit the registers)
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 2)
         else:
             to_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -450,7 +455,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 1, warp, lane,
                                 kv_end - tile_start)
                 if i + 1 < n_pairs:
-                    warpgroup.wait_group(0)
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 3)
         warpgroup.wait_group(0)
 
