@@ -14,11 +14,19 @@ O^T[256 x 64 rows] += V^T[256 x 64 keys] P^T[64 keys x 64 rows], as 2 k-steps x 
 ``wgmma.m64n64k32.e4m3`` with V^T the **register** A operand, loaded from the K tile as TMA left it by
 ``ldmatrix.trans.x4`` (key rows, 16-bit pairs) + ``prmt`` (``load_vt``), and P^T the K-major shared-memory B
 operand, stored by the softmax in the permuted key order those fragments need (``store_p_t``). The index
-arithmetic is fp8seesaw_layout.py, which tests/test_cute_fp8seesaw_cpu.py emulates on the CPU. The stage is
-released as soon as each warp has loaded its fragments (the wgmma reads registers), so 5 stages of 36 KB fit
-beside Q (36 KB) and three 4 KB P^T tiles: sP0 (P_A at the pair's final max, for the right group), sPL (P_A at
-m_A, the left group's own P V issued before the max exchange) and sP1 (P_B; Q's rope chunk, which both groups
-keep in registers).
+arithmetic is fp8seesaw_layout.py, which tests/test_cute_fp8seesaw_cpu.py emulates on the CPU. Each warp releases
+a stage as soon as it has loaded its fragments (the wgmma reads registers), so 5 stages of 36 KB fit beside Q
+(36 KB) and two 4 KB P^T tiles: sPA (P_A at m_A) and sP1 (P_B at m_B; Q's rope chunk, which both groups keep in
+registers).
+
+Per pair i: the left group writes P_A at its m_A, rescales its O^T to m_A and issues P_A V_A (before the max
+exchange, so it runs under the right group's softmax); the right group, after SCALE_A / SCALE_B, writes P_B at
+m_B, then computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per
+query row = per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after
+rescaling to m_B. The right group signals PA_FREE once its P_A V_A retired, before the left group overwrites sPA.
+Each P V loads and issues one k-step (16 fragment registers) at a time, with a wait between the two: 32
+fragment registers next to O^T (128), S (32) and Q's rope (8) made ptxas serialise every wgmma (C7511) at 240
+registers. S of the next tile is issued under the last P V k-step.
 
 Keys past the split's end (TMA loads whole page slices; NaN possible there) are masked in S and zeroed byte by
 byte in the V^T fragments. The accumulator's O^T rows are latent columns in the order ``latent_of_row``; the
