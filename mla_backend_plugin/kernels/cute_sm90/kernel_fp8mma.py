@@ -134,12 +134,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         vt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8,
                                                   STAGES)
 
-        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
-        box_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
-            (self.box_rows, 64), order=(0, 1))
-        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv,
-                                                           box_layout, (self.box_rows, 64))
+        tma_atom, tma_tensor = self.fp8_kv_tma(mKV)
 
         @cute.struct
         class SharedStorage:
@@ -163,6 +158,15 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                       p_layout).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    def fp8_kv_tma(self, mKV: cute.Tensor):
+        """(Traced from ``__call__``.) The TMA atom and coordinate tensor of the fp8 cache: boxes of box_rows
+        tokens x 64 bytes of one page, 64-byte swizzle."""
+        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        box_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
+            (self.box_rows, 64), order=(0, 1))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv, box_layout, (self.box_rows, 64))
 
     # ------------------------------------------------------------------------------------------------
     # device side

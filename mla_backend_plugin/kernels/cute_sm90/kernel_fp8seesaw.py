@@ -172,12 +172,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         # the K ring (64 keys x 576 per stage, fp8seesaw_layout.tile_offset)
         k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, STAGES_C)
 
-        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
-        box_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
-            (self.box_rows, 64), order=(0, 1))
-        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv,
-                                                           box_layout, (self.box_rows, 64))
+        tma_atom, tma_tensor = self.fp8_kv_tma(mKV)
 
         @cute.struct
         class SharedStorage:
