@@ -89,8 +89,8 @@ def wgmma_pv(frags: np.ndarray, pt: np.ndarray) -> np.ndarray:
 
 
 def store_pt(p: np.ndarray) -> np.ndarray:
-    """What ``store_p_t`` writes: each thread's 32 S-accumulator values (value v of lane l of warp w: row
-    16 w + l // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (l % 4) + (v & 1), the wgmma m64nNk32 C layout) at
+    """What ``store_p_t`` writes: each thread's 32 S-accumulator values (at ``s_value_coord``, the wgmma C
+    layout, checked against CuTe's by ``test_accumulator_layouts_are_the_kernels``) at
     ``(p_thread_base ^ xor) + immediate``; read back as the B operand [row n][k slot] through ``p_offset``, the
     K-major swizzled layout the wgmma descriptor reads."""
     smem = np.full(64 * KEYS, -1, dtype=np.int64)
@@ -98,8 +98,7 @@ def store_pt(p: np.ndarray) -> np.ndarray:
         for lane in range(32):
             base = lay.p_thread_base(lane, warp)
             for v in range(32):
-                row = 16 * warp + lane // 4 + 8 * ((v >> 1) & 1)
-                key = 8 * (v >> 2) + 2 * (lane % 4) + (v & 1)
+                row, key = lay.s_value_coord(lane, warp, v)
                 xor, imm = lay.p_value_terms(v)
                 smem[(base ^ xor) + imm] = p[row, key]
     assert (smem >= 0).all()  # every byte written once
@@ -149,6 +148,49 @@ def test_design_c_only_by_name_and_with_an_fp8_q():
     assert not any(x.fp8_seesaw for x in build.serving_variants())
     assert "fp8seesaw" in launch.UNTUNED_FP8_DESIGNS
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
+
+
+PROBE = """
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from mla_backend_plugin.kernels.cute_sm90 import fp8seesaw_layout as lay
+F8, K = cutlass.Float8E4M3FN, cute.nvgpu.OperandMajorMode.K
+bad = []
+THREADS = tuple(range(0, 128, 3))  # (a plain Python loop at trace time: the DSL turns a range() loop dynamic)
+
+@cute.jit
+def probe():
+    qk = sm90_utils.make_trivial_tiled_mma(F8, F8, K, K, cutlass.Float32, (1, 1, 1), (64, 64))
+    pv = sm90_utils.make_trivial_tiled_mma(F8, F8, K, K, cutlass.Float32, (1, 1, 1), (64, 64),
+                                           warpgroup.OperandSource.RMEM)
+    for t in THREADS:
+        s = qk.get_slice(t).partition_C(cute.make_identity_tensor((64, 64)))
+        o = pv.get_slice(t).partition_C(cute.make_identity_tensor((256, 64)))
+        bad.extend((t, v) for v in range(32) if tuple(s[v]) != lay.s_value_coord(t % 32, t // 32, v))
+        bad.extend((t, v) for v in range(128) if tuple(o[v]) != lay.ot_value_coord(t % 32, t // 32, v))
+
+probe()
+print("BAD", bad[:4] if bad else "none")
+"""
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+def test_accumulator_layouts_are_the_kernels(tmp_path):
+    """The (row, key) / (latent row, query row) of every accumulator value, as CuTe's wgmma partitions give them
+    (traced for sm_90a on the CPU), are the formulas the kernel's P stores, O^T rescale and epilogue use."""
+    import os
+    import sys
+
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    probe = tmp_path / "probe.py"  # (the DSL reads a jit function's source file)
+    probe.write_text(PROBE)
+    run = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "BAD none" in run.stdout, run.stdout[-2000:]
+    for v in range(128):  # the rescale's column index is the accumulator's column
+        _, n = lay.ot_value_coord(0, 0, v)
+        assert lay.ot_column_index(v) == 2 * (n // 8) + n % 2
 
 
 def test_fp8seesaw_with_a_16_bit_q_is_refused_by_name():

@@ -85,3 +85,20 @@ def p_value_terms(v):
     """(xor, immediate) of value ``v`` for ``p_thread_base``: (v >> 3) << 4 and 512 ((v >> 1) & 1) + 2 ((v >> 2)
     & 1) + (v & 1)."""
     return (v >> 3) << 4, 512 * ((v >> 1) & 1) + 2 * ((v >> 2) & 1) + (v & 1)
+
+
+def s_value_coord(lane, warp, v):
+    """(query row, key) of value ``v`` of a consumer thread's m64n64 S accumulator (the wgmma C layout)."""
+    return 16 * warp + lane // 4 + 8 * ((v >> 1) & 1), 8 * (v >> 2) + 2 * (lane % 4) + (v & 1)
+
+
+def ot_value_coord(lane, warp, v):
+    """(accumulator row m, query row n) of value ``v`` of the 4 m-tiles of O^T a consumer thread holds."""
+    row, col = s_value_coord(lane, warp, v % 32)
+    return 64 * (v // 32) + row, col
+
+
+def ot_column_index(v):
+    """Which of the thread's 16 query rows (columns of O^T: 8 j + 2 (lane % 4) + e, index 2 j + e) value ``v``
+    of its O^T accumulator belongs to."""
+    return 2 * ((v >> 2) & 7) + (v & 1)

@@ -70,6 +70,7 @@ from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
     latent_of_row,
     ldsm_immediate,
     ldsm_thread_base,
+    ot_column_index,
     p_thread_base,
     p_value_terms,
 )
@@ -353,7 +354,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 moved = moved | cutlass.Int32(x != 1.0)
         if cute.arch.vote_any_sync(moved != 0):
             for v in cutlass.range_constexpr(cute.size(acc_t)):
-                acc_t[v] = acc_t[v] * a[2 * ((v >> 2) & 7) + (v & 1)]
+                acc_t[v] = acc_t[v] * a[ot_column_index(v)]
 
     @cute.jit
     def consume_c(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, rings, sQ, sK, sPA, sP1, sMaxA, sMaxB, sAlpha,
