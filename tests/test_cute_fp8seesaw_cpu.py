@@ -73,19 +73,15 @@ def emulate_fragments(smem: np.ndarray, side: int, valid: int) -> np.ndarray:
 
 def wgmma_pv(frags: np.ndarray, pt: np.ndarray) -> np.ndarray:
     """O^T [256 accumulator rows, 64 query rows] of 2 k-steps x 4 m-tiles of m64n64k32: A from the register
-    fragments as the PTX ISA lays them out, B = the P^T tile [row n][slot] (K-major)."""
-    acc = np.zeros((256, 64), dtype=np.int64)
-    for mt in range(4):
-        a = np.zeros((64, 64), dtype=np.int64)  # [m, k slot of the tile]
-        for warp in range(4):
-            for lane in range(32):
-                for k in range(2):
-                    for reg in range(4):
-                        m = 16 * warp + lane // 4 + 8 * (reg & 1)
-                        for byte in range(4):
-                            a[m, 32 * k + 16 * (reg >> 1) + 4 * (lane % 4) + byte] = frags[warp, lane, mt, k, reg, byte]
-        acc[64 * mt:64 * mt + 64] = a @ pt.T
-    return acc
+    fragments as the wgmma A layout places them (``a_value_coord``), B = the P^T tile [row n][slot] (K-major)."""
+    a = np.zeros((256, 64), dtype=np.int64)  # [accumulator row m, k slot of the tile]
+    for warp in range(4):
+        for lane in range(32):
+            for k in range(2):
+                for v in range(64):
+                    m, slot = lay.a_value_coord(lane, warp, v)
+                    a[m, 32 * k + slot] = frags[warp, lane, v // 16, k, (v // 4) % 4, v % 4]
+    return a @ pt.T
 
 
 def store_pt(p: np.ndarray) -> np.ndarray:
@@ -169,6 +165,8 @@ def probe():
         o = pv.get_slice(t).partition_C(cute.make_identity_tensor((256, 64)))
         bad.extend((t, v) for v in range(32) if tuple(s[v]) != lay.s_value_coord(t % 32, t // 32, v))
         bad.extend((t, v) for v in range(128) if tuple(o[v]) != lay.ot_value_coord(t % 32, t // 32, v))
+        a = pv.get_slice(t).partition_A(cute.make_identity_tensor((256, 32)))
+        bad.extend((t, v) for v in range(64) if tuple(a[v]) != lay.a_value_coord(t % 32, t // 32, v))
 
 probe()
 print("BAD", bad[:4] if bad else "none")
@@ -177,8 +175,9 @@ print("BAD", bad[:4] if bad else "none")
 
 @pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 def test_accumulator_layouts_are_the_kernels(tmp_path):
-    """The (row, key) / (latent row, query row) of every accumulator value, as CuTe's wgmma partitions give them
-    (traced for sm_90a on the CPU), are the formulas the kernel's P stores, O^T rescale and epilogue use."""
+    """The (row, key) / (latent row, query row) of every accumulator value and the (row, k) of every A-fragment
+    byte, as CuTe's wgmma partitions give them (traced for sm_90a on the CPU), are the formulas the kernel's P
+    stores, V^T fragments, O^T rescale and epilogue use."""
     import os
     import sys
 

@@ -102,3 +102,11 @@ def ot_column_index(v):
     """Which of the thread's 16 query rows (columns of O^T: 8 j + 2 (lane % 4) + e, index 2 j + e) value ``v``
     of its O^T accumulator belongs to."""
     return 2 * ((v >> 2) & 7) + (v & 1)
+
+
+def a_value_coord(lane, warp, v):
+    """(accumulator row m, k slot) of byte ``v`` of a thread's V^T A fragments of one k-step (4 m-tiles x
+    a0..a3 x 4 bytes, the order ``load_vt`` fills: register v // 4 = 4 m-tile + reg, byte v % 4): the wgmma
+    m64nNk32 8-bit A layout, row 16 warp + lane // 4 (+ 8 for a1, a3), k 4 (lane % 4) + byte (+ 16 for a2, a3)."""
+    i = v % 16
+    return 64 * (v // 16) + 16 * warp + lane // 4 + 8 * ((i >> 2) & 1), 16 * (i >> 3) + 4 * (lane % 4) + (i & 3)
