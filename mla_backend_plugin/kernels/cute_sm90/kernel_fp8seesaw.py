@@ -83,6 +83,7 @@ from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
     _prmt,
 )
 from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw
+from mla_backend_plugin.ops.constants import WORK_ITEM_INTS
 
 K_STEPS = D_QK // 32  # k-steps of S = Q K^T (m64n64k32)
 ROPE_STEP = (K_CHUNKS - 1) * 2  # the rope chunk's two k-steps take Q from registers
@@ -234,16 +235,19 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        b1, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
-        # an odd tile count gets a last tile B past the split's end (zero-filled by TMA, masked)
-        n_pairs = (n_tiles + 1) // 2
-        if b1 > 0:  # else: past the end of the schedule
+        # each role reads its work item after the register split (read before it, a value live into the 24-register
+        # producer spilled with 16-token pages); an odd tile count gets a last tile B past the split's end
+        # (zero-filled by TMA, masked)
+        if mWork[w * WORK_ITEM_INTS] > 0:  # else: past the end of the schedule
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_C)
                 if warp_idx == 0:
-                    self.produce_c(tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, n_pairs)
+                    _, b, _, _, _, kv_start, kv_end, n_tiles, _ = self.scheduler.read_item(mWork, w)
+                    self.produce_c(tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, (n_tiles + 1) // 2)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER_C)
+                _, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
+                n_pairs = (n_tiles + 1) // 2
                 self.consume_c(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, rings, sQ, sK, sPA, sP1, sMaxA, sMaxB,
                                sAlpha, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse,
                                mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot, seq_len,
