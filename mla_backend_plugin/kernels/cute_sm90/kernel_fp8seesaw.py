@@ -155,19 +155,18 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mWork: cute.Tensor,
                  grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
                  stream: cuda.CUstream):
-        K_MAJOR = cute.nvgpu.OperandMajorMode.K
-        RMEM = warpgroup.OperandSource.RMEM
-        # S = Q K^T over a whole tile by one group (m64n64k32): the first k-step, the accumulating ones, and the
-        # rope chunk's with Q from registers (each copy's ACCUMULATE is set once, at the top of the consumer)
-        qk_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
-                                                   (BLOCK_M, BLOCK_N))
-        qk_acc_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
-                                                       (BLOCK_M, BLOCK_N))
-        qk_rs_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
-                                                      (BLOCK_M, BLOCK_N), RMEM)
+        SMEM, RMEM = warpgroup.OperandSource.SMEM, warpgroup.OperandSource.RMEM
+
+        def e4m3_mma(a_source):  # one warp group's m64n64k32 e4m3 x e4m3 -> fp32, both operands K-major
+            k_major = cute.nvgpu.OperandMajorMode.K
+            return sm90_utils.make_trivial_tiled_mma(F8, F8, k_major, k_major, cutlass.Float32, (1, 1, 1), (64, 64),
+                                                     a_source)
+
+        # S = Q K^T over a whole tile by one group: the first k-step, the accumulating ones, and the rope chunk's
+        # with Q from registers (each copy's ACCUMULATE is set once, at the top of the consumer)
+        qk_mma, qk_acc_mma, qk_rs_mma = e4m3_mma(SMEM), e4m3_mma(SMEM), e4m3_mma(RMEM)
         # O^T += V^T P^T: M = latent columns (V^T from registers), N = query rows, K = keys (P^T K-major)
-        pv_mma = sm90_utils.make_trivial_tiled_mma(F8, F8, K_MAJOR, K_MAJOR, cutlass.Float32, (1, 1, 1),
-                                                   (64, BLOCK_M), RMEM)
+        pv_mma = e4m3_mma(RMEM)
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, 1)
         # P^T: 64 rows (N) x 64 key slots (K), K-major, 64-byte swizzle (fp8seesaw_layout.p_offset)
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, BLOCK_M, BLOCK_N), F8, 1)
