@@ -148,7 +148,7 @@ def our_mma_dtype(kernel: str, config: LaunchConfig | None, args, cc) -> str:
         return "fp16" if args.q_dtype == torch.float16 else "bf16"
     if kernel == "cute_sm90":
         chosen = config or KERNELS[kernel].default_config(args, tuple(cc) if cc else None)
-        return "fp8" if (chosen.fp8_design or "fp8mma") == "fp8mma" else "bf16"
+        return "fp8" if (chosen.fp8_design or "fp8mma") in ("fp8mma", "fp8seesaw") else "bf16"
     if kernel == "xqa_sm120":
         return "fp8" if cc is not None and cc[0] == 12 else "fp16"
     if kernel not in FP8_CACHE_MMA_DTYPES:

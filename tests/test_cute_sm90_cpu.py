@@ -134,7 +134,8 @@ def test_launch_configs(monkeypatch):
     assert {c.fp8_design for c in candidates} == {"fp8mma", "dequant"} and {c.enable_pdl for c in candidates} == {
         False} and all(c.balanced and c.schedule is None and not c.fused_combine for c in candidates)
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fast")
-    with pytest.raises(ValueError, match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant"):
+    with pytest.raises(ValueError,
+                       match="CUTE_MLA_FP8_DESIGN='fast': allowed values are auto, fp8mma, dequant, fp8seesaw"):
         launch.default_config(fp8, (9, 0))
 
 
@@ -143,16 +144,21 @@ def test_register_budgets_fit_the_launch_registers():
     assert config.SETMAXNREG_SUM == 504
     assert config.REGS_PRODUCER_TMA + 2 * config.REGS_CONSUMER <= config.SETMAXNREG_SUM
     assert config.REGS_PRODUCER_FP8 + 2 * config.REGS_CONSUMER_FP8 <= config.SETMAXNREG_SUM
+    assert config.REGS_PRODUCER_C + 2 * config.REGS_CONSUMER_C <= config.SETMAXNREG_SUM
     if HAS_DSL:
         from mla_backend_plugin.kernels.cute_sm90 import kernel_fp8mma
 
         assert kernel_fp8mma.REGS_PRODUCER_B + 2 * kernel_fp8mma.REGS_CONSUMER_B <= config.SETMAXNREG_SUM
 
 
+# fp8 design C (kernel_fp8seesaw.py): not a serving variant (fp8_design="fp8seesaw" only)
+DESIGN_C = config.Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
+
+
 def test_shared_memory_fits_one_cta_per_sm():
     from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
 
-    for v in serving_variants() + [None]:
+    for v in serving_variants() + [None, DESIGN_C]:
         assert config.shared_bytes(v) <= 232_448, v  # sm_90 opt-in maximum per block
     assert config.m_blocks(128, 4) == 8 and config.m_blocks(16, 3) == 1
 
@@ -160,7 +166,7 @@ def test_shared_memory_fits_one_cta_per_sm():
 def test_epilogue_staging_tile_fits_every_design():
     from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
 
-    for v in serving_variants() + [None]:
+    for v in serving_variants() + [None, DESIGN_C]:
         assert config.epilogue_stage_room(v) >= config.STAGE_BYTES, v
     assert config.STAGE_ROW * 2 % 16 == 0  # 16-byte aligned rows for the bf16/fp16 stage too
 

@@ -70,7 +70,7 @@ def test_lazy_imports_on_first_call():
 def test_launch_config_validation():
     with pytest.raises(ValueError, match="split_plan 'even'; allowed: balanced, uniform"):
         LaunchConfig(split_plan="even")
-    with pytest.raises(ValueError, match="fp8_design 'int4'; allowed: fp8mma, dequant"):
+    with pytest.raises(ValueError, match="fp8_design 'int4'; allowed: fp8mma, dequant, fp8seesaw"):
         LaunchConfig(fp8_design="int4")
     with pytest.raises(ValueError, match="max_splits must be in 1..64"):
         LaunchConfig(max_splits=65)
@@ -91,7 +91,8 @@ def test_mla_decode_launch_keywords():
         mla_decode(*inp.call_args(), config=LaunchConfig(split_plan="uniform", max_splits=8), **kw)
         with pytest.raises(ValueError, match=r"enable_pdl: PDL needs compute capability >= 9.0"):
             mla_decode(*inp.call_args(), enable_pdl=True, **kw)
-        with pytest.raises(ValueError, match=r"fp8_design: 'fast' is not a design; allowed: fp8mma, dequant"):
+        with pytest.raises(ValueError,
+                           match=r"fp8_design: 'fast' is not a design; allowed: fp8mma, dequant, fp8seesaw"):
             mla_decode(*inp.call_args(), fp8_design="fast", **kw)
         with pytest.raises(ValueError, match=r"config: must be a LaunchConfig, got dict"):
             mla_decode(*inp.call_args(), config={"split_plan": "uniform"}, **kw)

@@ -73,7 +73,8 @@ def mla_decode(
             else the best verified kernel of the arch table), or a kernel name from ``available_kernels()``.
             The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
         enable_pdl: programmatic dependent launch (SM90+); None = the kernel's default (``CUTE_MLA_PDL``).
-        fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"`` or ``"dequant"``; None = ``CUTE_MLA_FP8_DESIGN``.
+        fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"``, ``"dequant"`` or ``"fp8seesaw"`` (fp8 q only; not
+            yet measured, never chosen automatically); None = ``CUTE_MLA_FP8_DESIGN``.
             Kernels without the choice ignore it.
         config: a complete ``LaunchConfig`` (one of the kernel's ``configs()``, e.g. a tuner's choice); the
             two keywords above still override its fields. With ``kernel="auto"`` it applies to the arch table's
@@ -176,6 +177,9 @@ def _decide(args: DecodeArgs, kernel: str, config: LaunchConfig | None, workspac
         if fp8_design not in FP8_DESIGNS:
             fail("fp8_design", f"{fp8_design!r} is not a design; allowed: {', '.join(FP8_DESIGNS)}")
         if args.kv_dtype == FP8_DTYPE:
+            if fp8_design == "fp8seesaw" and args.q_dtype != FP8_DTYPE:
+                fail("fp8_design", f"'fp8seesaw' needs an fp8 q (q is {args.q_dtype}); allowed with this q: "
+                     "fp8mma, dequant")
             config = dataclasses.replace(config, fp8_design=fp8_design)
     if spec.needs_workspace and workspace is None:  # a static choice after a tuned one the workspace refused
         workspace = default_workspace(args.q_nope.device, args.batch, args.q_len, args.num_heads)

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
-FP8_DESIGNS = ("fp8mma", "dequant")
+FP8_DESIGNS = ("fp8mma", "dequant", "fp8seesaw")
 SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
 COMBINES = ("shared", "own", "none")
 
@@ -67,7 +67,7 @@ class LaunchConfig:
     long_splits: int | None = None
     min_chunk: int | None = None  # tokens; the smallest chunk a request is split into; None = the workspace's
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)
-    fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant"
+    fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant" | "fp8seesaw"
     tile: tuple[int, ...] | None = None  # a family's tile, e.g. Triton's (block_m, block_n, warps, stages)
     # cute_sm90 with a 16-bit cache: "seesaw" | "lockstep" | "seesaw32" (SCHEDULES); None = CUTE_MLA_SM90_SCHEDULE
     schedule: str | None = None

@@ -27,6 +27,12 @@ REGS_CONSUMER = 240
 REGS_PRODUCER_TMA = 24
 REGS_CONSUMER_FP8 = 224
 REGS_PRODUCER_FP8 = 56
+# fp8 design C (kernel_fp8seesaw.py): a TMA-only producer warp, consumers holding O^T (128), S (32), V^T fragments
+# (32) and Q's rope chunk (8); 5 K stages of 36 KB (no V^T ring): 3 KB of barriers and row statistics + a 4 KB P^T
+# tile + 36 KB Q (its rope chunk the second P^T tile) + 180 KB
+REGS_CONSUMER_C = 240
+REGS_PRODUCER_C = 24
+STAGES_C = 5
 # The epilogue stages the 64 x 512 output tile in shared memory (Q's buffer and the KV ring after it, free by
 # then) and writes whole rows with 16-byte stores. Row pitch 512 + 8 elements keeps rows 16-byte aligned and
 # spreads the accumulator layout's 8 rows per warp over all 32 banks.
@@ -43,6 +49,9 @@ class Variant(CuteVariant):
     # fp8 caches only: True = "design B" (kernel_fp8mma.py: fp8 wgmma on the fp8 tile, q quantised to e4m3
     # hi + lo, V transposed in shared memory), False = "design A" (kernel.py: widen the tile to 16 bits)
     fp8_mma: bool = False
+    # fp8 caches with fp8_mma and an fp8 q only: "design C" (kernel_fp8seesaw.py: fp8 wgmma on the seesaw schedule,
+    # P V as O^T = V^T P^T with V^T in registers), fp8_design="fp8seesaw"
+    fp8_seesaw: bool = False
     # True: each query row's key count is read from a [B, q_len] tensor (decode context parallelism with MTP,
     # where the q block's own tokens are not all in this rank's cache) instead of seq_len - q_len + t + 1
     row_kv_lens: bool = False
@@ -54,6 +63,9 @@ class Variant(CuteVariant):
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if self.fp8_seesaw and not (self.kv_dtype == "fp8" and self.q_dtype == "fp8" and self.fp8_mma):
+            raise ValueError(f"fp8_design='fp8seesaw' needs an fp8 q and an fp8 KV cache; got q_dtype="
+                             f"{self.q_dtype!r}, kv_dtype={self.kv_dtype!r} (allowed: fp8 for both)")
         if self.kv_dtype == "fp8" and self.schedule != "lockstep":
             object.__setattr__(self, "schedule", "lockstep")
 
@@ -63,7 +75,8 @@ class Variant(CuteVariant):
 
     @property
     def options(self) -> str:
-        design = (" fp8mma" if self.fp8_mma else " dequant") if self.kv_dtype == "fp8" else ""
+        design = ((" fp8seesaw" if self.fp8_seesaw else " fp8mma" if self.fp8_mma else " dequant")
+                  if self.kv_dtype == "fp8" else "")
         rows = " row_kv_lens" if self.row_kv_lens else ""
         schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
         return f"{design}{rows}{schedule}"
@@ -88,7 +101,10 @@ def m_blocks(num_heads: int, q_len: int) -> int:
 def shared_bytes(variant: Variant | None = None) -> int:
     """Dynamic shared memory of one CTA: mbarriers and the two groups' exchanged row statistics (padded to the
     1 KB swizzle alignment), P, Q, the KV ring. Design A stages 16-bit tiles (fp8 caches widened on the way
-    in); design B keeps P, Q (hi and lo, unless q is fp8) and the KV tiles in e4m3 plus a V^T ring."""
+    in); design B keeps P, Q (hi and lo, unless q is fp8) and the KV tiles in e4m3 plus a V^T ring; design C two P^T
+    tile (a 3 KB first part: four rows of row factors), Q and STAGES_C K tiles in e4m3."""
+    if variant is not None and variant.fp8_seesaw:
+        return 3072 + BLOCK_M * BLOCK_N + BLOCK_M * 576 + STAGES_C * BLOCK_N * 576
     if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma:
         q_parts = 1 if variant.q_dtype == "fp8" else 2
         return 2048 + BLOCK_M * BLOCK_N + q_parts * BLOCK_M * 576 + KV_STAGES * BLOCK_N * (576 + 512)
@@ -98,6 +114,8 @@ def shared_bytes(variant: Variant | None = None) -> int:
 def epilogue_stage_room(variant: Variant | None = None) -> int:
     """Bytes from the start of Q's buffer to the end of the CTA's shared memory (Q, then the KV ring(s), in
     every design's layout): where the epilogue stages its tile."""
+    if variant is not None and variant.fp8_seesaw:
+        return BLOCK_M * 576 + STAGES_C * BLOCK_N * 576
     p_bytes = BLOCK_M * BLOCK_N * (1 if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma else 2)
     return shared_bytes(variant) - 2048 - p_bytes
 

@@ -599,9 +599,21 @@ class Sm90MlaDecode:
         rows of 16-byte stores in a loop. Stored straight from the accumulators, the epilogue was ~3000
         instructions of unrolled scalar stores run once per CTA, and its instruction fetches (stall "no
         instruction") were most of a short item's time (docs/perf/cute_sm90_bf16.md)."""
-        lane = ctid % 32
         n_o = cute.size(acc_o)
-        # each group summed its own 32 keys of every tile: add the other group's half
+        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sSumX, grp, ctid % 32, kscale, o_scale, n_splits)
+        for v in cutlass.range_constexpr(n_o):
+            acc_o[v] = acc_o[v] * inv[(v >> 1) & 1]
+        s_out = self.staged_tile(stage_ptr, self.out_dtype)
+        pv_thr.partition_C(s_out).store(acc_o.load().to(self.out_dtype))
+        consumer_barrier()
+        self.store_staged(s_out, lse2, tScS, ctid, mOut, mLse, mPartO, mPartLse, n_splits, b, mblk, slot)
+
+    @cute.jit
+    def final_row_stats(self, row_max, row_sum, tScS, sSumX, grp, lane, kscale, o_scale: cutlass.Constexpr,
+                        n_splits):
+        """The epilogue's per-row numbers for this thread's two rows (``tScS`` of the 64 x 64 S layout): adds the
+        other group's half of each row sum (``sSumX``), then returns the output factor (``o_scale`` / l, x kv_scale
+        for an unsplit item) and the log2 LSE."""
         for half in cutlass.range_constexpr(2):
             row_sum[half] = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
             if lane % 4 == 0:
@@ -609,8 +621,9 @@ class Sm90MlaDecode:
         consumer_barrier()
         for half in cutlass.range_constexpr(2):
             row_sum[half] = row_sum[half] + sSumX[(1 - grp) * BLOCK_M + tScS[2 * half][0]]
-
-        # ---- epilogue ----
+        out_scale = cutlass.Float32(1.0)
+        if n_splits == 1:
+            out_scale = kscale
         inv = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         lse2 = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
@@ -620,19 +633,16 @@ class Sm90MlaDecode:
             if total > 0.0:
                 i_v = o_scale / total
                 l_v = row_max[half] + cute.math.log2(total, fastmath=False)
-            inv[half] = i_v
+            inv[half] = i_v * out_scale
             lse2[half] = l_v
+        return inv, lse2
+
+    @cute.jit
+    def store_staged(self, s_out, lse2, tScS, ctid, mOut, mLse, mPartO, mPartLse, n_splits, b, mblk, slot):
+        """The staged 64 x 512 tile (``s_out``, complete: after a consumer barrier) as whole rows of 16-byte
+        stores, and this thread's rows' LSE (natural log for an unsplit item, log2 for a partial)."""
+        lane = ctid % 32
         rows = self.output.rows
-        # both kinds of item stage the tile in the output dtype (a split item's partial too: launch.py
-        # compile_variant) and store whole rows of 16-byte pieces
-        out_scale = cutlass.Float32(1.0)
-        if n_splits == 1:
-            out_scale = kscale
-        for v in cutlass.range_constexpr(n_o):
-            acc_o[v] = acc_o[v] * (inv[(v >> 1) & 1] * out_scale)
-        s_out = self.staged_tile(stage_ptr, self.out_dtype)
-        pv_thr.partition_C(s_out).store(acc_o.load().to(self.out_dtype))
-        consumer_barrier()
         vec = 16 * 8 // self.out_dtype.width
         pieces = D_NOPE // vec
         if n_splits == 1:

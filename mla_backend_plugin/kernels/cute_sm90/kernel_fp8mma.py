@@ -134,12 +134,7 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
         vt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, D_NOPE, BLOCK_N), F8,
                                                   STAGES)
 
-        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
-        box_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
-            (self.box_rows, 64), order=(0, 1))
-        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv,
-                                                           box_layout, (self.box_rows, 64))
+        tma_atom, tma_tensor = self.fp8_kv_tma(mKV)
 
         @cute.struct
         class SharedStorage:
@@ -163,6 +158,15 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                       p_layout).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    def fp8_kv_tma(self, mKV: cute.Tensor):
+        """(Traced from ``__call__``.) The TMA atom and coordinate tensor of the fp8 cache: boxes of box_rows
+        tokens x 64 bytes of one page, 64-byte swizzle."""
+        g_kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        box_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, F8),
+            (self.box_rows, 64), order=(0, 1))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv, box_layout, (self.box_rows, 64))
 
     # ------------------------------------------------------------------------------------------------
     # device side
@@ -229,23 +233,29 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def issue_tma(self, tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j):
-        """Warp 0: wait until stage j % 2 is free, then load tile j (64 keys) into it, page slice by slice."""
+        """Warp 0: wait until tile j's stage (j modulo the ring's stages) is free, then load tile j (64 keys) into
+        it, page slice by slice (``rings``: anything with ``full_k`` and ``empty_k`` rings, as design C's)."""
         tile_start = kv_start + j * BLOCK_N
         first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
         rings.empty_k.wait_released(j)
         with cute.arch.elect_one():
             rings.full_k.arrive_expect_tx(j, K_STAGE_BYTES)
-        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, j % STAGES,
-                      rings.full_k.slot(j), 0, K_CHUNKS)
+        self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page,
+                      j % rings.full_k.stages, rings.full_k.slot(j), 0, K_CHUNKS)
+
+    @cute.jit
+    def tma_partitions(self, tma_atom, tma_tensor, sK):
+        """The TMA views of the K ring (boxes of box_rows x 64 bytes) and of the cache, for ``issue_tma``."""
+        rb = self.box_rows
+        s_boxes = cute.flat_divide(sK, (rb, 64))
+        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
+        return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
+                                     cute.group_modes(g_boxes, 0, 2))
 
     @cute.jit
     def produce_b(self, tma_atom, tma_tensor, sK, sVt, rings, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx,
                   warp_idx):
-        rb = self.box_rows
-        s_boxes = cute.flat_divide(sK, (rb, 64))
-        g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
-        tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
-                                         cute.group_modes(g_boxes, 0, 2))
+        tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
         num_blocks = mKV.shape[0]
 
         # ---- transpose map (see the module docstring). Lane bits: b0 -> which of two adjacent 16-column

@@ -425,17 +425,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         (old max -> m_A -> m_B), computed from the same values."""
         alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        for half in cutlass.range_constexpr(2):
-            after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
-            mu_a = exp_base(after_a)
-            m = cute.arch.fmax(after_a, tile_max[half])
-            mu_b = exp_base(m)
-            if lane % 4 == 0:
-                sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
-            alpha[half] = (cute.math.exp2(row_max[half] - mu_a, fastmath=True)
-                           * cute.math.exp2(after_a - mu_b, fastmath=True))
-            m_use[half] = mu_b
-            row_max[half] = m
+        self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane)
         consumer_sync(Sm90DecodeBarrier.SCALE_B)
         self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
         cute.autovec_copy(r_p, tSsP)
@@ -443,14 +433,41 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         self.rescale_o(acc_o, alpha)
 
     @cute.jit
-    def left_p_at_right_max(self, sMaxB, i, tScS, m_a, row_max, alpha, acc_s, tSsP):
-        """The left group, after ``SCALE_B``: its P (fp32 in ``acc_s``) rescaled from m_A to the right group's m_B
-        into shared memory (``tSsP``) for the right group's P V, fenced for the async proxy; ``alpha`` = that
-        factor (for its own O and l), ``row_max`` = m_B."""
+    def right_running_max(self, sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a=None, to_b=None):
+        """The right group, after ``SCALE_A``: m_B = max(m_A, its tile max) posted to ``sMaxB`` and kept as the
+        running max (``row_max``); ``m_use`` its exp base, ``alpha`` the rescale of its O and l by the left
+        group's two factors (old max -> m_A -> m_B), also given one by one when ``to_a`` / ``to_b`` are."""
+        for half in cutlass.range_constexpr(2):
+            after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
+            mu_a = exp_base(after_a)
+            m = cute.arch.fmax(after_a, tile_max[half])
+            mu_b = exp_base(m)
+            if lane % 4 == 0:
+                sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m
+            f_a = cute.math.exp2(row_max[half] - mu_a, fastmath=True)
+            f_b = cute.math.exp2(after_a - mu_b, fastmath=True)
+            alpha[half] = f_a * f_b
+            if cutlass.const_expr(to_a is not None):
+                to_a[half] = f_a
+                to_b[half] = f_b
+            m_use[half] = mu_b
+            row_max[half] = m
+
+    @cute.jit
+    def left_factor_to_right_max(self, sMaxB, i, tScS, m_a, row_max, alpha):
+        """The left group, after ``SCALE_B``: ``alpha`` = the factor from its m_A (``m_a``) to the right group's
+        m_B, and ``row_max`` = m_B."""
         for half in cutlass.range_constexpr(2):
             m_b = sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]]
             alpha[half] = cute.math.exp2(m_a[half] - exp_base(m_b), fastmath=True)
             row_max[half] = m_b
+
+    @cute.jit
+    def left_p_at_right_max(self, sMaxB, i, tScS, m_a, row_max, alpha, acc_s, tSsP):
+        """The left group, after ``SCALE_B``: its P (fp32 in ``acc_s``) rescaled from m_A to the right group's m_B
+        into shared memory (``tSsP``) for the right group's P V, fenced for the async proxy; ``alpha`` = that
+        factor (for its own O and l), ``row_max`` = m_B."""
+        self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
         p_other = cute.make_rmem_tensor(acc_s.layout, self.cdtype)
         for v in cutlass.range_constexpr(cute.size(acc_s)):
             p_other[v] = (acc_s[v] * alpha[(v >> 1) & 1]).to(self.cdtype)

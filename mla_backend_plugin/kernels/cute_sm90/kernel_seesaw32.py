@@ -147,5 +147,7 @@ class Sm90MlaDecodeSeesaw32(Sm90MlaDecode):
     exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
     rescale_o = Sm90MlaDecodeSeesaw.rescale_o
     left_running_max = Sm90MlaDecodeSeesaw.left_running_max
+    right_running_max = Sm90MlaDecodeSeesaw.right_running_max
     right_softmax = Sm90MlaDecodeSeesaw.right_softmax
+    left_factor_to_right_max = Sm90MlaDecodeSeesaw.left_factor_to_right_max
     left_p_at_right_max = Sm90MlaDecodeSeesaw.left_p_at_right_max

@@ -1,0 +1,491 @@
+"""fp8 "design C" of the CuTe-DSL SM90 MLA decode (sm_90a): fp8 wgmma on the seesaw schedule, O^T = V^T P^T.
+
+docs/design/sm90_decode_budget.md sections 2, 3 and 7 (C2). An fp8 q and an fp8 KV cache only
+(``fp8_design="fp8seesaw"``; not the default: it has not run on a GPU yet). What it shares:
+
+* the seesaw's pair schedule (kernel_seesaw.py): the left group (warp group 1) computes S_A = Q K_A^T over the whole
+  64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet at SCALE_A / SCALE_B
+  (``left_running_max``, ``right_running_max``) and both P tiles are in shared memory after P_FULL;
+* design B's TMA producer (kernel_fp8mma.py ``issue_tma``, warp 0, boxes of min(block_size, 64) rows x 64 bytes,
+  64-byte swizzle) and its fp8 Q load (``load_q``), and P as e4m3(256 P) (the 1/256 folds into 1/l).
+
+What is new: no V^T buffer and no transpose. Each group computes its 256 latent columns transposed,
+O^T[256 x 64 rows] += V^T[256 x 64 keys] P^T[64 keys x 64 rows], as 2 k-steps x 4 m-tiles of
+``wgmma.m64n64k32.e4m3`` with V^T the **register** A operand, loaded from the K tile as TMA left it by
+``ldmatrix.trans.x4`` (key rows, 16-bit pairs) + ``prmt`` (``load_vt``), and P^T the K-major shared-memory B
+operand, stored by the softmax in the permuted key order those fragments need (``store_p_t``). The index
+arithmetic is fp8seesaw_layout.py, which tests/test_cute_fp8seesaw_cpu.py emulates on the CPU. Each warp releases
+a stage as soon as it has loaded its fragments (the wgmma reads registers), so 5 stages of 36 KB fit beside Q
+(36 KB) and two 4 KB P^T tiles: sPA (P_A at m_A) and sP1 (P_B at m_B; Q's rope chunk, which both groups keep in
+registers).
+
+Per pair i: the left group writes P_A at its m_A, rescales its O^T to m_A and issues P_A V_A (before the max
+exchange, so it runs under the right group's softmax); the right group, after SCALE_A / SCALE_B, writes P_B at
+m_B, then computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per
+query row = per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after
+rescaling to m_B. The right group signals PA_FREE once its P_A V_A retired, before the left group overwrites sPA.
+Each P V loads and issues one k-step (16 fragment registers) at a time, with a wait between the two: 32
+fragment registers next to O^T (128), S (32) and Q's rope (8) made ptxas serialise every wgmma (C7511) at 240
+registers. S of the next tile is issued under the last P V k-step.
+
+Keys past the split's end (TMA loads whole page slices; NaN possible there) are masked in S and zeroed byte by
+byte in the V^T fragments. The accumulator's O^T rows are latent columns in the order ``latent_of_row``; the
+epilogue stages the tile in shared memory in natural order and reuses the common stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from mla_backend_plugin.kernels.cute_common.barriers import (
+    MbarrierRing,
+    Sm90DecodeBarrier,
+    consumer_barrier,
+    consumer_sync,
+)
+from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
+from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
+from mla_backend_plugin.kernels.cute_sm90.config import (
+    BLOCK_M,
+    BLOCK_N,
+    NUM_THREADS,
+    REGS_CONSUMER_C,
+    REGS_PRODUCER_C,
+    STAGES_C,
+    Variant,
+)
+from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
+    CHUNK_BYTES,
+    PRMT_HI,
+    PRMT_LO,
+    fragment_key,
+    latent_of_row,
+    ldsm_immediate,
+    ldsm_thread_base,
+    ot_column_index,
+    p_thread_base,
+    p_value_terms,
+)
+from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS
+from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
+    F8,
+    K_STAGE_BYTES,
+    P_SCALE,
+    Sm90MlaDecodeFp8Mma,
+    _prmt,
+)
+from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw
+from mla_backend_plugin.ops.constants import WORK_ITEM_INTS
+
+K_STEPS = D_QK // 32  # k-steps of S = Q K^T (m64n64k32)
+ROPE_STEP = (K_CHUNKS - 1) * 2  # the rope chunk's two k-steps take Q from registers
+PV_STEPS = BLOCK_N // 32
+M_TILES = D_NOPE // 2 // 64  # a group's 256 latent columns as m64 tiles of O^T
+BYTE_MASKS = (0xFF, 0xFF00, 0xFF0000, -0x1000000)  # byte q of a 32-bit register (the last as a signed int32)
+# the row-factor exchange (sAlpha): each group's factors from its old max to m_A and from m_A to m_B; the epilogue
+# reuses the first 128 entries for the row sums and the next 64 for each row's output factor
+LEFT_TO_A, LEFT_TO_B, RIGHT_TO_A, RIGHT_TO_B = 0, BLOCK_M, 2 * BLOCK_M, 3 * BLOCK_M
+
+
+@dsl_user_op
+def _ldsm_t4(addr, imm: int, *, loc=None, ip=None):
+    """``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` at ``addr + imm`` (an immediate offset: the compiler
+    keeps no per-fragment address registers): lane l gives the row address of row l % 8 of matrix l // 8;
+    returns this lane's 4 registers (one per matrix)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+        [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)],
+        f"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{$0, $1, $2, $3}}, [$4+{imm}];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _st_e4m3x2(base, xor: int, imm: int, lo, hi, *, loc=None, ip=None):
+    """Two fp32 values as e4m3 (round to nearest, saturating) into the 2 bytes at shared address
+    ``(base ^ xor) + imm``, ``lo`` first (fp8seesaw_layout.p_thread_base: the XOR and the offset are immediates
+    inside the asm, so no per-value address is hoisted into a register)."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(base).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip),
+         cutlass.Float32(hi).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 t; .reg .b32 a; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; xor.b32 a, $0, {xor}; "
+        f"st.shared.b16 [a+{imm}], t; }}",
+        "r,f,f", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dataclasses.dataclass(frozen=True)
+class KRings:
+    full_k: MbarrierRing  # TMA landed the tile (expect-tx bytes)
+    empty_k: MbarrierRing  # all 8 consumer warps are past their last read of the tile
+
+
+class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
+    """Design C: fp8 wgmma on the seesaw schedule, P V as O^T = V^T P^T with V^T in registers."""
+
+    scaled_row_max = Sm90MlaDecodeSeesaw.scaled_row_max
+    left_running_max = Sm90MlaDecodeSeesaw.left_running_max
+    right_running_max = Sm90MlaDecodeSeesaw.right_running_max
+    left_factor_to_right_max = Sm90MlaDecodeSeesaw.left_factor_to_right_max
+    exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
+
+    def __init__(self, variant: Variant, use_pdl: bool = True):
+        super().__init__(variant, use_pdl)
+        if variant.q_dtype != "fp8":
+            raise ValueError(f"fp8_design='fp8seesaw' needs an fp8 q; got q_dtype={variant.q_dtype!r} (allowed: fp8; "
+                             "a 16-bit q: fp8_design='fp8mma' or 'dequant')")
+
+    # ------------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor,
+                 mSeq: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mWork: cute.Tensor,
+                 grid_items: cutlass.Int32, mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32,
+                 stream: cuda.CUstream):
+        SMEM, RMEM = warpgroup.OperandSource.SMEM, warpgroup.OperandSource.RMEM
+
+        def e4m3_mma(a_source):  # one warp group's m64n64k32 e4m3 x e4m3 -> fp32, both operands K-major
+            k_major = cute.nvgpu.OperandMajorMode.K
+            return sm90_utils.make_trivial_tiled_mma(F8, F8, k_major, k_major, cutlass.Float32, (1, 1, 1), (64, 64),
+                                                     a_source)
+
+        # S = Q K^T over a whole tile by one group: the first k-step, the accumulating ones, and the rope chunk's
+        # with Q from registers (each copy's ACCUMULATE is set once, at the top of the consumer)
+        qk_mma, qk_acc_mma, qk_rs_mma = e4m3_mma(SMEM), e4m3_mma(SMEM), e4m3_mma(RMEM)
+        # O^T += V^T P^T: M = latent columns (V^T from registers), N = query rows, K = keys (P^T K-major)
+        pv_mma = e4m3_mma(RMEM)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, 1)
+        # P^T: 64 rows (N) x 64 key slots (K), K-major, 64-byte swizzle (fp8seesaw_layout.p_offset)
+        pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, BLOCK_M, BLOCK_N), F8, 1)
+        # the K ring (64 keys x 576 per stage, fp8seesaw_layout.tile_offset)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, STAGES_C)
+
+        tma_atom, tma_tensor = self.fp8_kv_tma(mKV)
+
+        @cute.struct
+        class SharedStorage:
+            # full[STAGES_C] (TMA bytes), then empty[STAGES_C] (8 consumer warps)
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C]
+            max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
+            alpha: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
+            sPA: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(pt_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(k_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
+        self.kernel_c(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mRowKv, mOut,
+                      mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mWork,
+                      mCombineCtr, fuse_combine, q_layout, k_layout, pt_layout).launch(
+            grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel_c(self, qk_mma: cute.TiledMma, qk_acc_mma: cute.TiledMma, qk_rs_mma: cute.TiledMma,
+                 pv_mma: cute.TiledMma, tma_atom, tma_tensor, mQn: cute.Tensor, mQp: cute.Tensor, mKV: cute.Tensor,
+                 mBT: cute.Tensor, mRowKv: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPartO: cute.Tensor,
+                 mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
+                 kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mWork: cute.Tensor,
+                 mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32, q_layout: cute.ComposedLayout,
+                 k_layout: cute.ComposedLayout, pt_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        mblk, w, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sPA = storage.sPA.get_tensor(pt_layout.outer, swizzle=pt_layout.inner)
+        # sP1 = Q's rope chunk (chunk 8, 1 KB-aligned), free once both groups hold it in registers
+        sP1 = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr() + (K_CHUNKS - 1) * CHUNK_BYTES,
+                                               pt_layout.inner), pt_layout.outer)
+        sMaxA = storage.max_a.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sMaxB = storage.max_b.get_tensor(cute.make_layout(2 * BLOCK_M))
+        sAlpha = storage.alpha.get_tensor(cute.make_layout(4 * BLOCK_M))
+        bars = storage.kv_mbar.data_ptr()
+        rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8))
+        if tidx == 0:
+            rings.full_k.init()
+            rings.empty_k.init()
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        # each role reads its work item after the register split (read before it, a value live into the 24-register
+        # producer spilled with 16-token pages); an odd tile count gets a last tile B past the split's end
+        # (zero-filled by TMA, masked)
+        if mWork[w * WORK_ITEM_INTS] > 0:  # else: past the end of the schedule
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER_C)
+                if warp_idx == 0:
+                    _, b, _, _, _, kv_start, kv_end, n_tiles, _ = self.scheduler.read_item(mWork, w)
+                    self.produce_c(tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, (n_tiles + 1) // 2)
+            else:
+                cute.arch.setmaxregister_increase(REGS_CONSUMER_C)
+                _, b, seq_len, n_splits, slot0, kv_start, kv_end, n_tiles, slot = self.scheduler.read_item(mWork, w)
+                n_pairs = (n_tiles + 1) // 2
+                self.consume_c(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, rings, sQ, sK, sPA, sP1, sMaxA, sMaxB,
+                               sAlpha, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse,
+                               mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot, seq_len,
+                               kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+                if fuse_combine != 0 and n_splits > 1:
+                    self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
+                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
+        if cutlass.const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce_c(self, tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, n_pairs):
+        """Warp 0: the pairs' tiles in order into the ring (design B's ``issue_tma``)."""
+        tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
+        num_blocks = mKV.shape[0]
+        for j in cutlass.range(2 * n_pairs, unroll=1):
+            self.issue_tma(tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j)
+
+    @cute.jit
+    def issue_qk(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, j):
+        """Issue (not wait for) S = Q K^T of tile ``j`` once it has landed."""
+        rings.full_k.wait_filled(j)
+        stage = j % STAGES_C
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(K_STEPS):
+            if cutlass.const_expr(k >= ROPE_STEP):
+                cute.gemm(qk_rs_mma, acc_s, tSrQreg[(None, None, k - ROPE_STEP)], tSrK[(None, None, k, stage)],
+                          acc_s)
+            elif cutlass.const_expr(k == 0):
+                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+            else:
+                cute.gemm(qk_acc_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def load_vt(self, rV32, thread_addr, side: cutlass.Constexpr, k: cutlass.Constexpr, lane, valid):
+        """This thread's V^T A fragments of k-step ``k`` of a tile (4 m-tiles x a0..a3, into ``rV32``) for group
+        ``side``'s latent chunks 4 side .. + 3: ldmatrix.trans.x4 + prmt (fp8seesaw_layout), the bytes of keys >=
+        ``valid`` zeroed."""
+        masks = []
+        for h in cutlass.range_constexpr(2):
+            m = cutlass.Int32(0)
+            for q in cutlass.range_constexpr(4):
+                keep = 0 - cutlass.Int32(fragment_key(lane, k, 2 * h, q) < valid)
+                m = m | (keep & BYTE_MASKS[q])
+            masks.append(m)
+        for mt in cutlass.range_constexpr(M_TILES):
+            r = _ldsm_t4(thread_addr, ldsm_immediate(4 * side + mt, k))
+            base = 4 * mt
+            rV32[base + 0] = _prmt(r[0], r[1], PRMT_LO) & masks[0]
+            rV32[base + 1] = _prmt(r[0], r[1], PRMT_HI) & masks[0]
+            rV32[base + 2] = _prmt(r[2], r[3], PRMT_LO) & masks[1]
+            rV32[base + 3] = _prmt(r[2], r[3], PRMT_HI) & masks[1]
+
+    @cute.jit
+    def issue_pv_t(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
+                   valid):
+        """O^T += V_tile^T P^T for this group's 256 latent columns, k-step by k-step: load the step's fragments,
+        issue its 4 m-tiles (so the second step's loads do not pile up on the first's registers); the tile is
+        released after the last load (this warp's last read of it: the wgmmas read registers and P^T)."""
+        rings.full_k.wait_filled(tile)
+        thread_addr = k_base + (tile % STAGES_C) * K_STAGE_BYTES + ldsm_thread_base(lane, warp)
+        rV32 = cute.recast_tensor(rV, cutlass.Int32)
+        for k in cutlass.range_constexpr(PV_STEPS):
+            if cutlass.const_expr(k > 0):
+                warpgroup.wait_group(0)  # the previous k-step's fragments are free
+            self.load_vt(rV32, thread_addr, side, k, lane, valid)
+            if cutlass.const_expr(k == PV_STEPS - 1):
+                if lane == 0:
+                    rings.empty_k.arrive(tile)
+            warpgroup.fence()
+            cute.gemm(pv_mma, acc_t, rV[(None, None, 0)], tOrP[(None, None, k, 0)], acc_t)
+            warpgroup.commit_group()
+
+    @cute.jit
+    def store_p_t(self, acc_s, p_addr, factor, scaled: cutlass.Constexpr, warp, lane):
+        """P (fp32 in ``acc_s``, x ``factor`` per row half when ``scaled``) as e4m3(256 P) into the P^T tile at
+        ``p_addr``, key k at slot ``slot_of_key(k)`` (``p_offset`` in the form ``p_thread_base``: value v of the
+        m64n64 accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (lane % 4) + (v & 1));
+        fenced for the wgmma (async proxy)."""
+        base = p_addr + p_thread_base(lane, warp)
+        for v in cutlass.range_constexpr(0, cute.size(acc_s), 2):
+            f = P_SCALE
+            if cutlass.const_expr(scaled):
+                f = factor[(v >> 1) & 1] * P_SCALE
+            xor, imm = p_value_terms(v)
+            _st_e4m3x2(base, xor, imm, acc_s[v] * f, acc_s[v + 1] * f)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def post_rows(self, sX, base: cutlass.Constexpr, tScS, vals, lane):
+        """This thread's two rows' ``vals`` into sX[base + row] (one thread of each quad)."""
+        if lane % 4 == 0:
+            for half in cutlass.range_constexpr(2):
+                sX[base + tScS[2 * half][0]] = vals[half]
+
+    @cute.jit
+    def rescale_o_t(self, acc_t, sAlpha, base: cutlass.Constexpr, lane):
+        """O^T's columns are query rows: this thread's 16 (8 j + 2 (lane % 4) + e) take their factors from
+        sAlpha[base + row]; skipped when every factor of the warp is 1."""
+        a = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
+        moved = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(8):
+            for e in cutlass.range_constexpr(2):
+                x = sAlpha[base + 8 * j + 2 * (lane % 4) + e]
+                a[2 * j + e] = x
+                moved = moved | cutlass.Int32(x != 1.0)
+        if cute.arch.vote_any_sync(moved != 0):
+            for v in cutlass.range_constexpr(cute.size(acc_t)):
+                acc_t[v] = acc_t[v] * a[ot_column_index(v)]
+
+    @cute.jit
+    def consume_c(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, rings, sQ, sK, sPA, sP1, sMaxA, sMaxB, sAlpha,
+                  stage_ptr, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale,
+                  sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start, kv_end, n_pairs, ctid, grp):
+        """``grp`` (warp-uniform): 0 = left (tiles A, latent columns 0..255), 1 = right (tiles B, 256..511)."""
+        gtid = ctid % 128
+        lane = ctid % 32
+        warp = gtid // 32
+
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        qk_acc_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        self.load_q(sQ, sAlpha, mQn, mQp, b, mblk, ctid)  # (an fp8 q has no per-row scale: sAlpha gets 1s)
+        qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
+                                     mKVScale)
+        scale_log2 = sm_scale_log2 * qscale * kscale
+
+        qk_thr = qk_mma.get_slice(gtid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        qk_rs_thr = qk_rs_mma.get_slice(gtid)
+        tSsQ_rs = qk_rs_thr.partition_A(sQ)
+        tSrQreg = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), 1, 2), stride=((1, 4, 8), 0, 16)), F8)
+        for k in cutlass.range_constexpr(2):
+            cute.autovec_copy(tSsQ_rs[(None, 0, ROPE_STEP + k, 0)], tSrQreg[(None, 0, k)])
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((BLOCK_M, BLOCK_N)))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BLOCK_N)))
+
+        pv_thr = pv_mma.get_slice(gtid)
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((D_NOPE // 2, BLOCK_M)))
+        acc_t.fill(0.0)
+        tOrPA = pv_thr.make_fragment_B(pv_thr.partition_B(sPA))
+        tOrP1 = pv_thr.make_fragment_B(pv_thr.partition_B(sP1))
+        # V^T A fragments of one tile: (values of one m64k32 fragment, 4 m-tiles, 2 k-steps), 32 registers
+        rV = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), M_TILES, 1), stride=((1, 4, 8), 16, 0)), F8)
+        r_unused = cute.make_rmem_tensor(acc_s.layout, self.cdtype)  # exp_and_sum's 16-bit P (the seesaw's RS A)
+        k_base = sK.iterator.toint()
+        pa = sPA.iterator.toint()
+        p1 = sP1.iterator.toint()
+
+        row_max, row_sum, row_limit = self.row_state(mRowKv, b, mblk, tScS, seq_len, kv_end)
+        alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+
+        if grp == 0:
+            for i in cutlass.range(n_pairs, unroll=1):
+                tile_start = kv_start + 2 * i * BLOCK_N
+                if i == 0:  # (issued in the loop: an accumulator's first definition may not meet an open wgmma)
+                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 0)
+                warpgroup.wait_group(0)  # S_A (and the previous pair's P_B V_B)
+                m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
+                self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
+                if i > 0:  # the right group has retired the previous P_A V_A
+                    cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
+                # P_A at m_A: both groups' P_A V_A (the right group rescales its O around it)
+                self.store_p_t(acc_s, pa, alpha, False, warp, lane)
+                self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
+                cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.LEFT_P), number_of_threads=128)
+                self.rescale_o_t(acc_t, sAlpha, LEFT_TO_A, lane)
+                self.issue_pv_t(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane, kv_end - tile_start)
+                consumer_sync(Sm90DecodeBarrier.SCALE_A)  # m_A and P_A -> the right group
+                consumer_sync(Sm90DecodeBarrier.SCALE_B)  # m_B <- the right group
+                self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
+                self.post_rows(sAlpha, LEFT_TO_B, tScS, alpha, lane)
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
+                warpgroup.wait_group(0)  # P_A V_A,left: the fragments may be overwritten
+                for half in cutlass.range_constexpr(2):
+                    row_sum[half] = row_sum[half] * alpha[half]
+                self.rescale_o_t(acc_t, sAlpha, LEFT_TO_B, lane)
+                self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 0, warp, lane,
+                                kv_end - tile_start - BLOCK_N)
+                if i + 1 < n_pairs:
+                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 2)
+        else:
+            to_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            to_b = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            for i in cutlass.range(n_pairs, unroll=1):
+                tile_start = kv_start + (2 * i + 1) * BLOCK_N
+                if i == 0:
+                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 1)
+                warpgroup.wait_group(0)  # S_B (and the previous pair's P V)
+                tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                consumer_sync(Sm90DecodeBarrier.SCALE_A)
+                self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b)
+                self.post_rows(sAlpha, RIGHT_TO_A, tScS, to_a, lane)
+                self.post_rows(sAlpha, RIGHT_TO_B, tScS, to_b, lane)
+                consumer_sync(Sm90DecodeBarrier.SCALE_B)
+                self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
+                self.store_p_t(acc_s, p1, alpha, False, warp, lane)
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
+                # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A
+                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_A, lane)
+                self.issue_pv_t(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 1, warp, lane,
+                                kv_end - tile_start + BLOCK_N)
+                warpgroup.wait_group(0)  # P_A V_A,right
+                if i + 1 < n_pairs:
+                    cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
+                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_B, lane)
+                self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 1, warp, lane,
+                                kv_end - tile_start)
+                if i + 1 < n_pairs:
+                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 3)
+        warpgroup.wait_group(0)
+
+        self.store_result_t(acc_t, row_max, row_sum, tScS, pv_thr, sAlpha, stage_ptr, grp, ctid, mOut, mLse,
+                            mPartO, mPartLse, kscale, n_splits, b, mblk, slot)
+
+    @cute.jit
+    def store_result_t(self, acc_t, row_max, row_sum, tScS, pv_thr, sAlpha, stage_ptr, grp, ctid, mOut, mLse, mPartO,
+                       mPartLse, kscale, n_splits, b, mblk, slot):
+        """The epilogue of ``store_result`` for the transposed accumulator: the row sums through sAlpha, each
+        row's output factor through sAlpha[RIGHT_TO_A + row], the tile staged in natural order (query row, latent
+        column: ``latent_of_row``), then the common 16-byte stores."""
+        lane = ctid % 32
+        consumer_barrier()  # every thread is past its last read of the factor exchange
+        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sAlpha, grp, lane, kscale, 1.0 / P_SCALE,
+                                         n_splits)
+        if grp == 0:
+            self.post_rows(sAlpha, RIGHT_TO_A, tScS, inv, lane)
+        consumer_barrier()
+        s_out = self.staged_tile(stage_ptr, self.out_dtype)
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((D_NOPE // 2, BLOCK_M)))
+        for v in cutlass.range_constexpr(cute.size(acc_t)):
+            n = tOcO[v][1]
+            col = grp * (D_NOPE // 2) + latent_of_row(tOcO[v][0])
+            s_out[(n, col)] = (acc_t[v] * sAlpha[RIGHT_TO_A + n]).to(self.out_dtype)
+        consumer_barrier()
+        self.store_staged(s_out, lse2, tScS, ctid, mOut, mLse, mPartO, mPartLse, n_splits, b, mblk, slot)
