@@ -223,3 +223,20 @@ def test_fp8seesaw_compiles_to_e4m3_wgmma_with_ldmatrix_trans(tmp_path):
     assert mma == 4 * 18 + 4 * 8, mma
     assert info["ldsm_t"] == 4 * 8, info  # one ldmatrix.trans.x4 per P V wgmma
     assert len(re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass)) == 4 * 2 + 4 * 8  # RS
+
+
+def test_fp8seesaw_in_the_environment_is_a_preference(monkeypatch):
+    """CUTE_MLA_FP8_DESIGN=fp8seesaw runs design C for an fp8 q and design B for a 16-bit q (where the argument
+    ``fp8_design="fp8seesaw"`` is refused), so a whole serving run or test suite can take design C."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mla_backend_plugin.kernels.cute_sm90.launch import fp8_design_for
+
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fp8seesaw")
+    assert fp8_design_for(SimpleNamespace(batch=64, q_dtype=torch.float8_e4m3fn)) == "fp8seesaw"
+    assert fp8_design_for(SimpleNamespace(batch=64, q_dtype=torch.bfloat16)) == "fp8mma"
+    assert fp8_design_for(SimpleNamespace(batch=1, q_dtype=torch.float16)) == "fp8mma"
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "auto")
+    assert fp8_design_for(SimpleNamespace(batch=1, q_dtype=torch.bfloat16)) == "dequant"

@@ -303,24 +303,52 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             rV32[base + 3] = _prmt(r[2], r[3], PRMT_HI) & masks[1]
 
     @cute.jit
+    def pv_thread_addr(self, rings, k_base, tile, warp, lane):
+        """This thread's ldmatrix row address in tile ``tile``'s stage, once the tile has landed."""
+        rings.full_k.wait_filled(tile)
+        return k_base + (tile % STAGES_C) * K_STAGE_BYTES + ldsm_thread_base(lane, warp)
+
+    @cute.jit
+    def pv_step(self, pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side: cutlass.Constexpr,
+                k: cutlass.Constexpr, lane, valid):
+        """k-step ``k`` of O^T += V_tile^T P^T for this group's 256 latent columns: load the step's fragments and
+        issue its 4 m-tiles as one wgmma group (the caller waits for the previous step before reusing ``rV``); the
+        tile is released after the last step's loads (this warp's last read of it: the wgmmas read registers and
+        P^T)."""
+        self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, k, lane, valid)
+        if cutlass.const_expr(k == PV_STEPS - 1):
+            if lane == 0:
+                rings.empty_k.arrive(tile)
+        warpgroup.fence()
+        cute.gemm(pv_mma, acc_t, rV[(None, None, 0)], tOrP[(None, None, k, 0)], acc_t)
+        warpgroup.commit_group()
+
+    @cute.jit
     def issue_pv_t(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
                    valid):
-        """O^T += V_tile^T P^T for this group's 256 latent columns, k-step by k-step: load the step's fragments,
-        issue its 4 m-tiles (so the second step's loads do not pile up on the first's registers); the tile is
-        released after the last load (this warp's last read of it: the wgmmas read registers and P^T)."""
-        rings.full_k.wait_filled(tile)
-        thread_addr = k_base + (tile % STAGES_C) * K_STAGE_BYTES + ldsm_thread_base(lane, warp)
-        rV32 = cute.recast_tensor(rV, cutlass.Int32)
+        """Both k-steps of O^T += V_tile^T P^T, with a wait between them (32 fragment registers at once made ptxas
+        serialise every wgmma)."""
+        thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
         for k in cutlass.range_constexpr(PV_STEPS):
             if cutlass.const_expr(k > 0):
                 warpgroup.wait_group(0)  # the previous k-step's fragments are free
-            self.load_vt(rV32, thread_addr, side, k, lane, valid)
-            if cutlass.const_expr(k == PV_STEPS - 1):
-                if lane == 0:
-                    rings.empty_k.arrive(tile)
-            warpgroup.fence()
-            cute.gemm(pv_mma, acc_t, rV[(None, None, 0)], tOrP[(None, None, k, 0)], acc_t)
-            warpgroup.commit_group()
+            self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, k, lane, valid)
+
+    @cute.jit
+    def issue_pv_t_then_qk(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
+                           valid, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, next_tile, has_next):
+        """``issue_pv_t`` with S of ``next_tile`` (when ``has_next``) issued between the two k-steps: it runs on the
+        tensor pipe while this group waits for its first k-step and through the max exchange, so the next tile's
+        S is done by the time the group needs it (wgmma groups retire in order: waiting for all but the newest
+        one retires the first k-step)."""
+        thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid)
+        if has_next:
+            self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, next_tile)
+            warpgroup.wait_group(1)
+        else:
+            warpgroup.wait_group(0)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid)
 
     @cute.jit
     def store_p_t(self, acc_s, p_addr, factor, scaled: cutlass.Constexpr, warp, lane):
@@ -409,9 +437,14 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 tile_start = kv_start + 2 * i * BLOCK_N
                 if i == 0:  # (issued in the loop: an accumulator's first definition may not meet an open wgmma)
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 0)
-                warpgroup.wait_group(0)  # S_A (and the previous pair's P_B V_B)
+                # S_A (issued during the previous pair) and the previous P_B V_B: its P_B in sP1 is read until it
+                # retires, and the right group overwrites sP1 once SCALE_A below lets it go on
+                warpgroup.wait_group(0)
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
+                # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
+                # its P_B while this group computes P_A
+                cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.SCALE_A), number_of_threads=256)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 if i > 0:  # the right group has retired the previous P_A V_A
                     cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
@@ -420,20 +453,20 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
                 cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.LEFT_P), number_of_threads=128)
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_A, lane)
-                self.issue_pv_t(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane, kv_end - tile_start)
-                consumer_sync(Sm90DecodeBarrier.SCALE_A)  # m_A and P_A -> the right group
+                # P_A V_A with S_A of the next pair issued between its k-steps
+                self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane,
+                                        kv_end - tile_start, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg,
+                                        tSrK, 2 * i + 2, i + 1 < n_pairs)
                 consumer_sync(Sm90DecodeBarrier.SCALE_B)  # m_B <- the right group
                 self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
                 self.post_rows(sAlpha, LEFT_TO_B, tScS, alpha, lane)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
-                warpgroup.wait_group(0)  # P_A V_A,left: the fragments may be overwritten
+                warpgroup.wait_group(0)  # P_A V_A,left (and the next S_A): the fragments may be overwritten
                 for half in cutlass.range_constexpr(2):
                     row_sum[half] = row_sum[half] * alpha[half]
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_B, lane)
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 0, warp, lane,
                                 kv_end - tile_start - BLOCK_N)
-                if i + 1 < n_pairs:
-                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 2)
         else:
             to_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             to_b = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -441,28 +474,28 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 tile_start = kv_start + (2 * i + 1) * BLOCK_N
                 if i == 0:
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 1)
-                warpgroup.wait_group(0)  # S_B (and the previous pair's P V)
+                warpgroup.wait_group(0)  # S_B (issued during the previous pair) and the previous P_B V_B (its sP1)
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
                 self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b)
                 self.post_rows(sAlpha, RIGHT_TO_A, tScS, to_a, lane)
                 self.post_rows(sAlpha, RIGHT_TO_B, tScS, to_b, lane)
-                consumer_sync(Sm90DecodeBarrier.SCALE_B)
+                # m_B -> the left group (this group waits for it only at P_FULL)
+                cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.SCALE_B), number_of_threads=256)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 self.store_p_t(acc_s, p1, alpha, False, warp, lane)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
-                # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A
+                # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A; S_B of the next pair between P_A V_A's k-steps
                 self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_A, lane)
-                self.issue_pv_t(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 1, warp, lane,
-                                kv_end - tile_start + BLOCK_N)
-                warpgroup.wait_group(0)  # P_A V_A,right
+                self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 1, warp, lane,
+                                        kv_end - tile_start + BLOCK_N, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ,
+                                        tSrQreg, tSrK, 2 * i + 3, i + 1 < n_pairs)
+                warpgroup.wait_group(0)  # P_A V_A,right (and the next S_B)
                 if i + 1 < n_pairs:
                     cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
                 self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_B, lane)
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 1, warp, lane,
                                 kv_end - tile_start)
-                if i + 1 < n_pairs:
-                    self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 2 * i + 3)
         warpgroup.wait_group(0)
 
         self.store_result_t(acc_t, row_max, row_sum, tScS, pv_thr, sAlpha, stage_ptr, grp, ctid, mOut, mLse,

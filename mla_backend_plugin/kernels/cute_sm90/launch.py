@@ -78,10 +78,15 @@ UNTUNED_FP8_DESIGNS = ("fp8seesaw",)
 
 
 def fp8_design_for(args) -> str:
+    """CUTE_MLA_FP8_DESIGN for these arguments: ``auto`` resolved; ``fp8seesaw`` (design C takes an fp8 q only) is a
+    preference, so a 16-bit q runs design B under it (``mla_decode(fp8_design="fp8seesaw")`` with a 16-bit q is
+    refused by name instead)."""
     design = envs.CUTE_MLA_FP8_DESIGN
     if design == "auto":
         small = args.batch <= FP8_DEQUANT_MAX_BATCH and args.q_dtype != FP8_DTYPE
         design = "dequant" if small else "fp8mma"
+    elif design == "fp8seesaw" and args.q_dtype != FP8_DTYPE:
+        design = "fp8mma"
     return design
 
 
