@@ -34,7 +34,8 @@ decode LSE under DCP, speculation with an interleave above 1 on a peer, a CUTE_M
 processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
 B 32 / 128) prefill for minutes: pass ``--prefix-caching`` so that only the warm-up generation prefills.
 
-One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
+One call may run out of a device call's 10 minutes: pass a few backends per call and ``--budget-s`` (each engine
+stopped at its share, its finished cells kept; exit 75 when the budget cut the run); rows append to
 ``DIR/rows.jsonl`` and ``--report`` renders them all. H100 runs: docs/perf/e2e_and_host.md.
 """
 
