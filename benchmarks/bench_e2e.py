@@ -34,7 +34,8 @@ decode LSE under DCP, speculation with an interleave above 1 on a peer, a CUTE_M
 processes: no host-time hooks, no ``--kernel-profile``. Long contexts (S 32k at
 B 32 / 128) prefill for minutes: pass ``--prefix-caching`` so that only the warm-up generation prefills.
 
-One call may run out of a device call's 10 minutes: pass a few backends per call; rows append to
+One call may run out of a device call's 10 minutes: pass a few backends per call and ``--budget-s`` (each engine
+stopped at its share, its finished cells kept; exit 75 when the budget cut the run); rows append to
 ``DIR/rows.jsonl`` and ``--report`` renders them all. H100 runs: docs/perf/e2e_and_host.md.
 """
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -78,10 +80,12 @@ def parallel_fields(args) -> dict:
 
 
 def row_label(row: dict) -> str:
-    """A row's backend with its parallel layout (one GPU: the backend alone)."""
+    """A row's backend with its parallel layout (one GPU: the backend alone) and ``fp8`` for an fp8 KV cache (rows
+    of both caches can share a run's report)."""
     tp, dcp = row.get("tp", 1), row.get("dcp", 1)
     label = row["backend"] + (f" tp{tp}" if tp > 1 else "") + (f" dcp{dcp}" if dcp > 1 else "")
-    return label + (f" i{row['interleave']}" if dcp > 1 and row.get("interleave", 1) > 1 else "")
+    label += f" i{row['interleave']}" if dcp > 1 and row.get("interleave", 1) > 1 else ""
+    return label + (" fp8" if row.get("kv_cache_dtype") == "fp8" else "")
 
 
 def check_parallel(args) -> None:
@@ -372,7 +376,10 @@ def measure_cell(llm, sampling_params, prompts, timers: HostTimers | None, args,
 
 # ---------------------------------------------------------------- driver
 
-def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path: Path | None = None) -> list[dict]:
+def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path: Path | None = None,
+                timeout_s: float | None = None) -> list[dict]:
+    """One engine (its own process) over every cell: its rows, the cells it finished when it fails or is stopped
+    at ``timeout_s`` (default ``--timeout``), then an error row."""
     cmd = [sys.executable, __file__, "--worker-backend", backend, "--worker-spec", str(spec), "--model-dir",
            args.model_dir, "--batches", ",".join(map(str, args.batches)), "--contexts",
            ",".join(map(str, args.contexts)), "--repeats", str(args.repeats), "--gpu-memory-utilization",
@@ -385,21 +392,75 @@ def run_backend(args, backend: str, spec: int, env: dict | None = None, log_path
         + (["--eager"] if args.eager else []) \
         + (["--prefix-caching", "--prefix-tail", str(args.prefix_tail)] if args.prefix_caching else []) \
         + (["--kernel-profile"] if args.kernel_profile else [])
+    timeout = args.timeout if timeout_s is None else timeout_s
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         stdout, stderr, failure = proc.stdout, proc.stderr, (proc.stderr[-2000:] if proc.returncode else None)
     except subprocess.TimeoutExpired as e:  # keep the cells it finished
         stdout, stderr = (_text(e.stdout), _text(e.stderr))
-        failure = f"timed out after {args.timeout} s (--timeout)"
+        failure = f"timed out after {timeout:.0f} s ({'--timeout' if timeout_s is None else '--budget-s'})"
     if log_path is not None:
         log_path.write_text(stdout + "\n----- stderr\n" + stderr)
     rows = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
     if failure:
-        rows.append({"backend": backend, "spec": spec, **parallel_fields(args), "error": failure})
+        rows.append({"backend": backend, "spec": spec, **parallel_fields(args), "kv_cache_dtype": args.kv_cache_dtype,
+                     "error": failure})
     phases = start_phases(stdout + "\n" + stderr)
     for row in rows:
         row.update(phases)
     return rows
+
+
+class Budget:
+    """Seconds left of a ``--budget-s`` (unbounded without one)."""
+
+    def __init__(self, seconds: float | None):
+        self.end = time.monotonic() + seconds if seconds else None
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.monotonic()
+
+
+INCOMPLETE = 75  # exit status when --budget-s ended the call before everything ran
+
+
+def engine_allowance(left: float, later: int, timeout: float, min_engine_s: float) -> float | None:
+    """Seconds an engine may run with ``left`` seconds of the budget and ``later`` engines still to start after it:
+    all but ``min_engine_s`` for each later one (so every engine gets a start and its first cells), never less than
+    ``min_engine_s`` while that much is left (engines run in the order asked: when the budget cannot hold them all,
+    the last ones are dropped), at most ``timeout``; None when less than ``min_engine_s`` is left."""
+    if left < min_engine_s:
+        return None
+    return min(timeout, max(left - later * min_engine_s, min_engine_s))
+
+
+def run_engines(args, out_dir: Path) -> tuple[list[dict], bool]:
+    """Every (backend, n-gram) engine in turn, its rows appended to ``rows.jsonl`` as it finishes; with
+    ``--budget-s``, each engine stopped at its allowance (``engine_allowance``: its finished cells kept) and no
+    engine started with less than ``--min-engine-s`` left. Returns the rows and whether the budget cut the run."""
+    rows, cut = [], False
+    logs = out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    jobs = [(backend, spec) for backend in args.backends for spec in args.spec]
+    budget = Budget(args.budget_s)
+    for i, (backend, spec) in enumerate(jobs):
+        allowed = engine_allowance(budget.left(), len(jobs) - 1 - i, args.timeout, args.min_engine_s)
+        if allowed is None:
+            print(f"budget: {budget.left():.0f} s left (--min-engine-s {args.min_engine_s:.0f}): not starting "
+                  + ", ".join(f"{b} n-gram {n}" for b, n in jobs[i:]), flush=True)
+            return rows, True
+        t0 = time.monotonic()
+        got = run_backend(args, backend, spec, log_path=logs / (re.sub(r"[^A-Za-z0-9]+", "_", backend)
+                                                                + f"_spec{spec}.log"),
+                          timeout_s=None if args.budget_s is None else allowed)
+        cut |= any("(--budget-s)" in (r.get("error") or "") for r in got)
+        with open(out_dir / "rows.jsonl", "a") as f:  # as each engine finishes: a later one may not
+            for row in got:
+                f.write(json.dumps(row) + "\n")
+        print(f"engine {backend} n-gram {spec}: {sum('step_ms' in r for r in got)} cells in "
+              f"{time.monotonic() - t0:.0f} s (allowed {allowed:.0f} s)", flush=True)
+        rows += got
+    return rows, cut
 
 
 def _text(output) -> str:
@@ -478,6 +539,57 @@ def start_times(args, out_dir: Path) -> list[dict]:
     return rows
 
 
+def step_split(row: dict) -> tuple[float, float, float, float]:
+    """A profiled row's traced step (ms) and its parts: attention kernels + other kernels + GPU idle. Rows of older
+    runs have no traced span: the timed step stands in for it."""
+    span = row.get("gpu_span_ms")
+    traced = span if span is not None else row["step_ms"]
+    busy, attention = row["gpu_busy_ms"], row["attention_kernel_ms"]
+    return traced, attention, busy - attention, traced - busy
+
+
+def _mixed_forward_us(row: dict) -> str:
+    calls = row.get("forward_mqa_calls_mixed_phase") or 0
+    return f"{row['forward_mqa_us_mixed_phase'] / calls:.1f}" if calls else "-"
+
+
+def _cell(row: dict) -> tuple:
+    """What two rows must share to be compared: the cell, the engine's settings and its layout."""
+    return (row["context"], row["spec"], row["batch"], row.get("graphs"), row.get("kv_cache_dtype") or "auto",
+            row.get("layers"), row.get("prefix_tail") or 1, row.get("tp", 1), row.get("dcp", 1),
+            row.get("interleave", 1))
+
+
+def attribution_lines(profiled: list[dict]) -> list[str]:
+    """Markdown: per profiled CUTE_MLA row, the best in-tree backend of the same cell (the lowest step) and where
+    the difference goes: traced step = attention kernels + other kernels + GPU idle (each ours - best), and the
+    builder's host time per step beside it. Empty when no cell has both."""
+    pairs = []
+    for ours in profiled:
+        if not ours["backend"].startswith("CUTE_MLA"):
+            continue
+        peers = [r for r in profiled if not r["backend"].startswith("CUTE_MLA") and _cell(r) == _cell(ours)]
+        if peers:
+            pairs.append((ours, min(peers, key=lambda r: r["step_ms"])))
+    if not pairs:
+        return []
+    lines = ["", "CUTE_MLA against the best in-tree backend of the same cell (lowest step), ms per decode step, ours - "
+             "best (> 0: ours slower): the traced step's difference is exactly attention + other kernels + idle; "
+             "builder host us/step ours - best beside it.", "",
+             "| backend | S | B | n-gram | best in-tree | step ours / best | step | traced step | attention kernels | "
+             "other kernels | GPU idle | host: builder us/step |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for ours, best in sorted(pairs, key=lambda p: (p[0]["context"], p[0]["spec"], p[0]["batch"], row_label(p[0]))):
+        diff = [round(a - b, 3) + 0.0 for a, b in zip(step_split(ours), step_split(best))]  # + 0.0: no "-0.000"
+        builder = (f"{ours['builder_us_per_step'] - best['builder_us_per_step']:+.1f}"
+                   if "builder_us_per_step" in ours and "builder_us_per_step" in best else "-")
+        lines.append(f"| {row_label(ours)} | {ours['context']} | {ours['batch']} | {ours['spec']} | "
+                     f"{row_label(best)} | {ours['step_ms'] / best['step_ms']:.3f} | "
+                     f"{ours['step_ms'] - best['step_ms']:+.3f} | "
+                     + " | ".join(f"{d:+.3f}" for d in diff) + f" | {builder} |")
+    return lines
+
+
 def render(out_dir: Path) -> Path:
     rows = [json.loads(line) for line in (out_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "step_ms" in r]
@@ -519,8 +631,7 @@ def render(out_dir: Path) -> Path:
                   "mixed: forward_mqa us/call |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(hosted, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             mixed_steps_ = max(1, r.get("n_short", 2) - 1)
-            calls = r.get("forward_mqa_calls_mixed_phase") or 0
-            per_call = f"{r['forward_mqa_us_mixed_phase'] / calls:.1f}" if calls else "-"
+            per_call = _mixed_forward_us(r)
             builder_mixed = (f"{r['builder_us_mixed_phase'] / mixed_steps_:.1f}" if "builder_us_mixed_phase" in r
                              else "-")
             lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
@@ -543,16 +654,20 @@ def render(out_dir: Path) -> Path:
                   "their combines); the rest of the step is the model's other kernels plus GPU idle time. `traced "
                   "step` is the first-to-last kernel span of the traced runs and `idle` its gaps (the same two "
                   "runs, so free of the timed runs' run-to-run noise); `other kernels` = busy - attention.", "",
+                  "Host: us per decode step in the backend's metadata builder (under full graphs the step's only "
+                  "backend host work), and us per eager `forward_mqa` call in the mixed phase.", "",
                   "| backend | S | B | n-gram | step ms | traced step ms | GPU busy ms | idle ms | "
-                  "attention kernels ms | other kernels ms | step - attention ms | kernels/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "attention kernels ms | other kernels ms | step - attention ms | kernels/step | host: builder "
+                  "us/step | host: mixed forward_mqa us/call |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
-            span = r.get("gpu_span_ms")  # rows of older runs have none: idle from the timed step then
-            idle = (span if span is not None else r["step_ms"]) - r["gpu_busy_ms"]
+            span = r.get("gpu_span_ms")
+            _, attention, other, idle = step_split(r)
             lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['spec']} | {r['step_ms']:.3f} | "
                          f"{span if span is not None else '-'} | {r['gpu_busy_ms']:.3f} | {idle:.3f} | "
-                         f"{r['attention_kernel_ms']:.3f} | {r['gpu_busy_ms'] - r['attention_kernel_ms']:.3f} | "
-                         f"{r['step_ms'] - r['attention_kernel_ms']:.3f} | {r['kernel_launches']} |")
+                         f"{attention:.3f} | {other:.3f} | {r['step_ms'] - attention:.3f} | {r['kernel_launches']} | "
+                         f"{r.get('builder_us_per_step', '-')} | {_mixed_forward_us(r)} |")
+        lines += attribution_lines(profiled)
         lines += ["", "Heaviest kernels per step (us):", ""]
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
@@ -644,7 +759,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
                         help="under DCP: tokens dealt to a rank at a time (1, or up to the block size, dividing it)")
     parser.add_argument("--block-size", type=int, default=None, help="the engines' KV block size (default: vLLM's)")
-    parser.add_argument("--timeout", type=float, default=560)
+    parser.add_argument("--timeout", type=float, default=560, help="seconds one engine (its start and cells) may run")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall seconds for all engines of this call: each engine is stopped at its share (its "
+                             "finished cells kept), none starts with less than --min-engine-s left; exit status 75 "
+                             "when the budget cut the run (keep it ~30 s under the device call's limit)")
+    parser.add_argument("--min-engine-s", type=float, default=200,
+                        help="with --budget-s: the seconds reserved for each engine still to start (its start, "
+                             "~90-180 s on an H100, and its first cells)")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--model-dir", default=None, help="default: a config written into the output directory")
     parser.add_argument("--dry-run", action="store_true")
@@ -660,11 +782,21 @@ def main(argv=None) -> int:
         return 0
     try:
         check_parallel(args)
+        for name in ("budget_s", "min_engine_s", "timeout"):
+            value = getattr(args, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be > 0 (seconds)")
+        if args.budget_s is not None and args.start_times:
+            raise ValueError("--budget-s with --start-times: the budget covers the timed cells only; allowed: one "
+                             "of them")
     except ValueError as e:
         parser.error(str(e))
     out_dir = Path(args.out_dir or ROOT / "benchmarks" / "results" / f"e2e_{time.strftime('%Y-%m-%d')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.report:
+        if not (out_dir / "rows.jsonl").exists():
+            print(f"--report: {out_dir / 'rows.jsonl'} does not exist (no engine has finished there)", file=sys.stderr)
+            return 2
         print(render(out_dir))
         return 0
     if args.model_dir is None:
@@ -679,20 +811,12 @@ def main(argv=None) -> int:
         return 0
     if args.start_times:
         rows = start_times(args, out_dir)  # written as they come
+        cut = False
     else:
-        rows = []
-        logs = out_dir / "logs"
-        logs.mkdir(exist_ok=True)
-        for backend in args.backends:
-            for spec in args.spec:
-                got = run_backend(args, backend, spec, log_path=logs / (re.sub(r"[^A-Za-z0-9]+", "_", backend)
-                                                                        + f"_spec{spec}.log"))
-                with open(out_dir / "rows.jsonl", "a") as f:  # as each engine finishes: a later one may not
-                    for row in got:
-                        f.write(json.dumps(row) + "\n")
-                rows += got
-    print(render(out_dir))
-    return 0 if not any(r.get("error") for r in rows) else 1
+        rows, cut = run_engines(args, out_dir)
+    if (out_dir / "rows.jsonl").exists():  # none when the budget let no engine start
+        print(render(out_dir))
+    return INCOMPLETE if cut else 0 if not any(r.get("error") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench_e2e import model_config, parse_backend  # sibling modules: benchmarks/ is the script directory
+from bench_e2e import INCOMPLETE, Budget, model_config, parse_backend  # siblings: benchmarks/ is the script directory
 from report import _grid_shape, _pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,8 +278,9 @@ def client_command(args, port: int, shape: tuple[int, int], rate: str, result_di
             "--tokenizer", str(args.model_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--random-range-ratio", "0", "--ignore-eos",
             "--temperature", "0", "--seed", str(args.seed), "--num-prompts", str(args.num_prompts),
-            "--request-rate", rate, "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name]
+            "--request-rate", rate, "--num-warmups", str(args.num_warmups), "--percentile-metrics",
+            "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir",
+            str(result_dir), "--result-filename", result_name]
 
 
 # ---------------------------------------------------------------- rows.csv: append, resume, skip
@@ -461,16 +462,6 @@ def gpu_name() -> str:
         return ""
 
 
-class Budget:
-    """Seconds left of ``--budget-s`` (unbounded without it)."""
-
-    def __init__(self, seconds: float | None):
-        self.end = time.monotonic() + seconds if seconds else None
-
-    def left(self) -> float:
-        return math.inf if self.end is None else self.end - time.monotonic()
-
-
 def run_client(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> int | None:
     """The client's exit status, or None if it was stopped at ``timeout_s``."""
     with open(log_path, "w") as log:
@@ -491,9 +482,6 @@ def run_client(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> i
 
 def _tag(*parts) -> str:
     return "_".join(str(p) for p in parts).replace(":", "-").replace("/", "-").replace("=", "-").replace(".", "p")
-
-
-INCOMPLETE = 75  # exit status when --budget-s stopped the call before every row was run: run it again
 
 
 def run(args) -> int:
@@ -750,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "shapes that name none; inf: all prompts at once")
     p.add_argument("--num-prompts", type=int, default=64,
                    help="requests per row (inf sends them all at once: 128 with --max-num-seqs 128 fills the batch)")
+    p.add_argument("--num-warmups", type=int, default=8,
+                   help="requests (the row's first prompt, sent at once) each client sends before its timed ones: "
+                        "first-use costs (JIT compiles of shapes the start did not see) stay out of the rows")
     p.add_argument("--layers", type=int, default=16, help="model layers (DeepSeek-V3 has 61)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="the server's --max-num-seqs")
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="the server's --max-num-batched-tokens")
@@ -790,6 +781,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for name in ("num_prompts", "layers", "max_num_seqs", "max_batched_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+        if args.num_warmups < 0:
+            raise ValueError(f"--num-warmups {args.num_warmups}: must be >= 0")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     except ValueError as e:

@@ -65,14 +65,44 @@ def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
     md = bench.render(tmp_path).read_text()
     # an older row (no traced span): idle from the timed step
-    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | - | 4.500 | 0.500 | 1.250 | 3.250 | 3.750 | 80.0 |" in md
+    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | - | 4.500 | 0.500 | 1.250 | 3.250 | 3.750 | 80.0 | - | - |" in md
     # a traced span: idle from the traced runs themselves
     assert bench._span_us([("a", 2.0, 10.0), ("b", 30.0, 5.0)]) == 33.0
     (tmp_path / "rows.jsonl").write_text(json.dumps({**row, "gpu_span_ms": 4.6}) + "\n")
     md = bench.render(tmp_path).read_text()
-    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | 4.6 | 4.500 | 0.100 | 1.250 | 3.250 | 3.750 | 80.0 |" in md
+    assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | 4.6 | 4.500 | 0.100 | 1.250 | 3.250 | 3.750 | 80.0 | - | - |" in md
     assert "`mla_decode_sm90` 300.0" in md
     assert '[[""mla_decode_sm90"", 300.0]' in (tmp_path / "results.csv").read_text()
+    assert "against the best in-tree backend" not in md  # no peer in the cell
+
+
+def test_kernel_profile_attributes_the_difference_to_the_best_peer(tmp_path):
+    """Per CUTE_MLA cell, the lowest-step peer of the same cell and KV cache, and the traced step's difference split
+    exactly into attention kernels + other kernels + GPU idle, with the builder's host time beside it; fp8 rows are
+    labelled and compared only with fp8 rows."""
+    bench = _bench()
+    host = {"builder_us_per_step": 70.0, "forward_mqa_us_mixed_phase": 2400.0, "forward_mqa_calls_mixed_phase": 8}
+
+    def row(backend, step, span, busy, attention, kv="auto", **extra):
+        return {"backend": backend, "batch": 32, "context": 8192, "spec": 0, "graphs": True, "step_ms": step,
+                "tokens_per_s": 1.0, "gpu_span_ms": span, "gpu_busy_ms": busy, "kernel_ms": busy,
+                "attention_kernel_ms": attention, "kernel_launches": 300.0, "top_kernels": [], "layers": 16,
+                "kv_cache_dtype": kv, **extra}
+
+    rows = [row("CUTE_MLA", 6.8, 6.7, 5.0, 2.9, **host),
+            row("FLASH_ATTN_MLA", 5.3, 5.25, 4.9, 2.8, builder_us_per_step=40.0),
+            row("FLASHMLA", 5.9, 5.8, 5.0, 2.9),  # a slower peer: not the best
+            row("CUTE_MLA", 5.0, 4.9, 4.0, 2.0, kv="fp8"), row("FLASHMLA", 4.5, 4.45, 4.1, 2.1, kv="fp8")]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = bench.render(tmp_path).read_text()
+    assert ("| CUTE_MLA | 8192 | 32 | 0 | 6.800 | 6.7 | 5.000 | 1.700 | 2.900 | 2.100 | 3.900 | 300.0 | 70.0 | 300.0 |"
+            in md)
+    # 6.7 - 5.25 = 1.45 traced = 0.1 attention + 0.0 other + 1.35 idle; builder 70 - 40
+    assert ("| CUTE_MLA | 8192 | 32 | 0 | FLASH_ATTN_MLA | 1.283 | +1.500 | +1.450 | +0.100 | +0.000 | +1.350 | "
+            "+30.0 |") in md
+    assert ("| CUTE_MLA fp8 | 8192 | 32 | 0 | FLASHMLA fp8 | 1.111 | +0.500 | +0.450 | -0.100 | +0.000 | +0.550 | - |"
+            in md)
+    assert md.count("| FLASHMLA | 8192 | 32 | 0 |") == 1  # the fp8 FLASHMLA row has its own label
 
 
 class _ChunkedPrefillEngine:
@@ -304,3 +334,46 @@ def test_two_gpu_layouts_reach_the_engines_rows_and_report(tmp_path, capsys, mon
     # speculation with interleave > 1 is ours alone; CUTE_MLA takes it
     assert bench.main(["--dry-run", "--out-dir", str(tmp_path), *dcp, "--backends", "CUTE_MLA",
                        "--cp-kv-cache-interleave-size", "64", "--spec", "0,1"]) == 0
+
+
+def test_budget_gives_each_engine_its_share_and_stops_cleanly(tmp_path, monkeypatch, capsys):
+    """--budget-s: an engine may run all but --min-engine-s per engine still to start (at least --min-engine-s, at
+    most --timeout); one that would get less is not started, the call's exit status says so (75) and the report
+    renders the rows that finished, the cut engine's cells included."""
+    bench = _bench()
+    assert bench.engine_allowance(500, 1, 560, 200) == 300  # the first of two leaves 200 s to the second
+    assert bench.engine_allowance(500, 0, 560, 200) == 500
+    assert bench.engine_allowance(500, 0, 300, 200) == 300  # never more than --timeout
+    assert bench.engine_allowance(300, 2, 560, 200) == 200  # all cannot fit: the first ones run, the last dropped
+    assert bench.engine_allowance(150, 0, 560, 200) is None
+    clock = {"now": 0.0}
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock["now"])
+    asked = []
+
+    def fake_run_backend(args, backend, spec, env=None, log_path=None, timeout_s=None):
+        asked.append((backend, timeout_s))
+        clock["now"] += timeout_s  # each engine uses all it is allowed, the last cell cut
+        return [{"backend": backend, "batch": 32, "context": 8192, "spec": spec, "graphs": True, "step_ms": 5.0,
+                 "tokens_per_s": 6400.0},
+                {"backend": backend, "spec": spec, "error": f"timed out after {timeout_s:.0f} s (--budget-s)"}]
+
+    monkeypatch.setattr(bench, "run_backend", fake_run_backend)
+    argv = ["--out-dir", str(tmp_path), "--backends", "CUTE_MLA,FLASH_ATTN_MLA,FLASHMLA", "--batches", "32",
+            "--contexts", "8192", "--spec", "0", "--budget-s", "500", "--min-engine-s", "180"]
+    assert bench.main(argv) == bench.INCOMPLETE
+    assert asked == [("CUTE_MLA", 180.0), ("FLASH_ATTN_MLA", 180.0)]  # 500 - 2 x 180 < 180; then 320 - 180
+    out = capsys.readouterr().out
+    assert "budget: 140 s left (--min-engine-s 180): not starting FLASHMLA n-gram 0" in out
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert sum("step_ms" in r for r in rows) == 2 and (tmp_path / "results.md").exists()
+    fresh = tmp_path / "fresh"  # a budget that starts no engine: nothing to render, said so
+    assert bench.main([*argv[:1], str(fresh), *argv[2:-4], "--budget-s", "100", "--min-engine-s", "180"]) == (
+        bench.INCOMPLETE)
+    assert not (fresh / "rows.jsonl").exists() and len(asked) == 2
+    assert bench.main(["--report", "--out-dir", str(fresh)]) == 2
+    assert "rows.jsonl does not exist" in capsys.readouterr().err
+    for argv, message in ((["--budget-s", "0"], "--budget-s 0.0: must be > 0"),
+                          (["--budget-s", "100", "--start-times"], "--budget-s with --start-times")):
+        with pytest.raises(SystemExit):
+            bench.main(["--dry-run", "--out-dir", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err

@@ -76,7 +76,8 @@ def test_arguments_and_their_errors(capsys):
                           (["--rates", "fast"], "'fast' is neither a number"),
                           (["--kv-cache-dtypes", "fp16"], "'fp16' is not one of auto, fp8"),
                           (["--spec", "one"], "'one' is not a number of n-gram"),
-                          (["--num-prompts", "0"], "--num-prompts 0: must be >= 1")):
+                          (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+                          (["--num-warmups", "-1"], "--num-warmups -1: must be >= 0")):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert message in capsys.readouterr().err
@@ -95,6 +96,7 @@ def test_commands(tmp_path):
     client = bench.client_command(args, 9001, (8192, 512), "inf", tmp_path, "r.json")
     assert client[client.index("--base-url") + 1] == "http://127.0.0.1:9001"
     assert client[client.index("--random-input-len") + 1] == "8192" and "--ignore-eos" in client
+    assert client[client.index("--num-warmups") + 1] == "8"
 
 
 @needs_vllm
@@ -170,6 +172,7 @@ def _vllm_check(out_dir: str) -> None:
         8192, 512, True, 0, 64)
     assert ns.request_rate == float("inf") and ns.save_result and ns.result_filename == "r.json"
     assert ns.percentile_metrics == "ttft,tpot,itl,e2el" and ns.metric_percentiles == "50,99"
+    assert ns.num_warmups == 8  # first-use costs stay out of the timed requests
 
     # vLLM's tokenizer loader and random dataset on our tokenizer: exact prompt lengths
     from vllm.benchmarks.datasets.datasets import RandomDataset
