@@ -111,12 +111,11 @@ def mla_decode(
         args.step = step
     if config is not None and not isinstance(config, LaunchConfig):
         fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
-    if kernel == "auto":
-        kernel = envs.CUTE_MLA_KERNEL
     # An engine calls with one workspace and the same shapes every layer and step: the decision of a signature is
     # kept in the workspace (the checks behind it cost more host time than the launch itself, and eager steps -
     # chunked prefill's mixed batches - pay it once per layer). The key holds all a decision depends on besides
-    # the call's shapes: the tuner's table version, the environment, capture (which pins tuned choices).
+    # the call's shapes: the tuner's table version, the environment (CUTE_MLA_KERNEL included, so ``"auto"`` is
+    # resolved on a miss only), capture (which pins tuned choices).
     key = decided = None
     if workspace is not None:
         device = args.q_nope.device
@@ -126,6 +125,8 @@ def mla_decode(
                envs.raw_values())
         decided = workspace.decisions.get(key)
     if decided is None:
+        if kernel == "auto":
+            kernel = envs.CUTE_MLA_KERNEL
         decided = _decide(args, kernel, config, workspace, enable_pdl, fp8_design, max_seq_len)
         if key is not None:
             workspace.decisions[key] = decided

@@ -139,7 +139,9 @@ def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.dev
             fail(name, f"must be a float or a 1-element float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
         if scale.device != device:
             fail(name, f"must be on {device}, got {scale.device}")
-        return scale.reshape(1)  # one shape for every kernel (vLLM passes 0-d scales); a view, no copy
+        # one shape for every kernel (vLLM passes 0-d scales; serving.DecodeRunner hands them in that shape): a
+        # view, no copy
+        return scale if scale.dim() == 1 else scale.reshape(1)
     return float(scale)
 
 
@@ -169,7 +171,7 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
                    f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if q.dtype not in Q_DTYPES + (FP8_DTYPE,):
         fail("q", f"dtype {q.dtype} is not supported; allowed: {dtype_names(Q_DTYPES + (FP8_DTYPE,))}")
-    return q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+    return q.split_with_sizes((KV_LORA_RANK, QK_ROPE_HEAD_DIM), -1)  # the two views in one call
 
 
 def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,

@@ -395,6 +395,9 @@ class DecodeRunner:
         self.is_fp8_kv_cache = kv_cache_dtype.startswith("fp8")
         self.kernel = envs.CUTE_MLA_KERNEL
         self.check = check
+        # the scales an engine last passed and their kernel forms (an engine passes one layer's same scale tensors
+        # every step: one view made, not one per call); not the cache, which a view would keep alive
+        self._scale_forms: tuple = (None, None)
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
@@ -410,8 +413,7 @@ class DecodeRunner:
         the layout's)."""
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
-        q_scale = dequant_scale(q_scale) if q_is_fp8 else None
-        kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
+        q_scale, kv_scale = self._scales(q_scale, kv_scale, q_is_fp8)
         scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
         if token_requests is None:
             out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, dcp=dcp, **scales)
@@ -425,6 +427,20 @@ class DecodeRunner:
                        kv_scale=kv_scale, row_kv_lens=row_kv_lens,
                        query_lens=token_requests.query_lens if token_requests is not None else None)
         return out, lse
+
+    def _scales(self, q_scale, kv_scale, q_is_fp8: bool):
+        """(q_scale, kv_scale) as mla_decode takes them: ``dequant_scale`` for an fp8 q / cache, else None; a
+        1-element device tensor as the [1] view prepare_args would make of it. Kept for the tensors last passed
+        (a float is converted every call)."""
+        given = (q_scale, kv_scale, q_is_fp8)
+        cached, forms = self._scale_forms
+        if cached is not None and all(a is b for a, b in zip(cached, given)):
+            return forms
+        forms = (_scale_form(dequant_scale(q_scale)) if q_is_fp8 else None,
+                 _scale_form(dequant_scale(kv_scale)) if self.is_fp8_kv_cache else None)
+        if all(s is None or isinstance(s, torch.Tensor) for s in (q_scale, kv_scale)):
+            self._scale_forms = (given, forms)
+        return forms
 
     def _launch(self, q, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace, dcp: DcpLayout | None = None,
@@ -461,6 +477,13 @@ class DecodeRunner:
         heads = (q[0] if isinstance(q, (tuple, list)) else q).shape[1]
         return (torch.empty(num_tokens, heads, KV_LORA_RANK, dtype=workspace.out_buffer.dtype, device=workspace.device),
                 torch.empty(num_tokens, heads, dtype=torch.float32, device=workspace.device))
+
+
+def _scale_form(scale):
+    """A 1-element tensor scale as the [1] view mla_decode makes of it (its checks stay mla_decode's)."""
+    if isinstance(scale, torch.Tensor) and scale.dim() != 1 and scale.numel() == 1:
+        return scale.reshape(1)
+    return scale
 
 
 def _rows(q, part: slice):
