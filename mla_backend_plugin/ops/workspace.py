@@ -85,7 +85,8 @@ class MLAWorkspace:
             plan_rows = registry.plan_rows_for(num_heads, self.device)
         self.plan_rows = tuple(sorted({int(r) for r in plan_rows}))
         self._plans: dict[tuple, SplitPlan] = {}
-        # mla_decode's decisions (kernel spec, launch config, this workspace) per call signature (ops/api.py)
+        # mla_decode's checked call forms and decisions (kernel spec, launch config, this workspace) per call
+        # fingerprint (ops/api.py)
         self.decisions: dict[tuple, tuple] = {}
         # plan_for's plans per (batch, q_len, tile, config): what its check found once (the buffers never change)
         self._checked_plans: dict[tuple, SplitPlan] = {}
