@@ -213,12 +213,12 @@ def bind(form: CallForm, q, kv_cache, block_table, seq_lens, softmax_scale, q_sc
         lse = torch.empty((num_tokens, form.num_heads), dtype=torch.float32, device=q_nope.device)
     return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
                       batch=form.batch, q_len=form.q_len, num_heads=form.num_heads,
-                      softmax_scale=float(softmax_scale), q_scale=_scale_form(q_scale),
-                      kv_scale=_scale_form(kv_scale), out=out, lse=lse, compute_dtype=form.compute_dtype,
+                      softmax_scale=float(softmax_scale), q_scale=kernel_scale(q_scale),
+                      kv_scale=kernel_scale(kv_scale), out=out, lse=lse, compute_dtype=form.compute_dtype,
                       row_kv_lens=row_kv_lens, need_lse=need_lse, dcp=dcp)
 
 
-def _scale_form(scale: Scale) -> Scale:
+def kernel_scale(scale: Scale) -> Scale:
     """A checked scale as kernels take it: one shape for every kernel (vLLM passes 0-d tensors: a [1] view, no
     copy; serving.DecodeRunner hands them in that shape already), a number as a Python float."""
     if scale is None:
