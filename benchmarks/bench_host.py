@@ -42,8 +42,10 @@ SERVING = "serving:auto"  # DecodeRunner.decode, as CuteMLAImpl.forward_mqa call
 
 
 class ServingPath:
-    """Our decode as vLLM's forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's workspace,
-    with the autotuner's warm-up hook (its static table here: no tuning)."""
+    """Our decode as vLLM 0.26's eager forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's
+    workspace, with the autotuner's warm-up hook (its static table here: no tuning), the (q_nope, q_pe) pair for a
+    16-bit cache and the fp8 q for an fp8 cache (what vLLM hands CUTE_MLA on Hopper, ``serving.fp8_query``), the
+    step's longest length and one ``StepPlans`` for every call (the layers after a step's first, which plans)."""
 
     name = SERVING
 
@@ -51,27 +53,33 @@ class ServingPath:
         return None
 
     def query_dtype(self, cell, cc):
-        return "bf16"
+        return "fp8" if cell.kv_dtype == "fp8" and serving.fp8_query("auto", cc) else "bf16"
 
     def prepare(self, cell: Cell, inputs) -> PeerCall:
-        q, _ = inputs.query("bf16")
-        q_pair = (q[..., :512], q[..., 512:])  # vLLM 0.26 hands decode (q_nope, q_pe)
+        from mla_backend_plugin.ops.workspace import StepPlans
+
+        q_dtype = self.query_dtype(cell, torch.cuda.get_device_capability(inputs.device))
+        q, q_scale = inputs.query(q_dtype)
+        if q_dtype != "fp8":
+            q = (q[..., :512], q[..., 512:])  # vLLM 0.26 hands decode (q_nope, q_pe)
         kv_dtype = "fp8" if cell.kv_dtype == "fp8" else "auto"
         workspace = serving.make_workspace(inputs.device, max_num_seqs=cell.batch, num_speculative_tokens=0,
                                            num_heads=cell.num_heads, out_dtype=torch.bfloat16)
         deployment = serving.make_deployment(
             num_heads=cell.num_heads, max_num_seqs=cell.batch, num_speculative_tokens=cell.q_len - 1,
             model_dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, block_size=cell.block_size,
-            max_model_len=cell.seq_len)
-        serving.DeploymentTuning(deployment, tune=False, host_lengths=False).run_once(inputs.device)  # as a builder
+            max_model_len=cell.seq_len, fp8_query=q_dtype == "fp8")
+        serving.DeploymentTuning(deployment, tune=False, host_lengths=True).run_once(inputs.device)  # as a builder
         runner = serving.DecodeRunner(inputs.softmax_scale, kv_dtype)
         kv_scale = inputs.kv_scale_tensor()
         cache = inputs.kv_caches[0]
         if cell.kv_dtype == "fp8":
             cache = cache.view(torch.uint8)  # vLLM stores an fp8 cache as bytes
+        step = StepPlans()
 
         def launch(i):
-            return runner.decode(q_pair, cache, inputs.block_table, inputs.seq_lens, workspace, kv_scale=kv_scale)
+            return runner.decode(q, cache, inputs.block_table, inputs.seq_lens, workspace, q_scale=q_scale,
+                                 kv_scale=kv_scale, max_seq_len=cell.seq_len, step=step)
 
         return PeerCall(launch, lambda raw: raw)
 
@@ -101,7 +109,8 @@ def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
     from mla_backend_plugin import envs
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N
-    from mla_backend_plugin.ops.api import _decide, prepare_args
+    from mla_backend_plugin.ops.api import _decide
+    from mla_backend_plugin.ops.args import bind, call_fingerprint, check_call
     from mla_backend_plugin.ops.manifest import PlanTile
 
     q, _ = inputs.query("bf16")
@@ -111,17 +120,22 @@ def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
     out, lse = workspace.output_views(cell.tokens)
     kv_scale = inputs.kv_scale_tensor()
     cache = inputs.kv_caches[0]
+    call = (q_pair, cache, inputs.block_table, inputs.seq_lens)
 
-    def prep():
-        return prepare_args(q_pair, cache, inputs.block_table, inputs.seq_lens, softmax_scale=inputs.softmax_scale,
-                            kv_scale=kv_scale, out=out, lse=lse)
+    def check():
+        return check_call(*call, softmax_scale=inputs.softmax_scale, kv_scale=kv_scale, out=out, lse=lse)
 
-    args = prep()
+    form = check()
+    args = bind(form, *call, inputs.softmax_scale, None, kv_scale, out, lse, None, True, None)
     spec, config, _ = _decide(args, "cute_sm90", None, workspace, None, None, None)
     plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
     stages = [
-        ("prepare_args (validation)", prep, False),
-        ("args.signature()", args.signature, False),
+        ("check_call (validation: a shape's first call)", check, False),
+        ("call_fingerprint (every call)",
+         lambda: call_fingerprint(*call, inputs.softmax_scale, None, None, kv_scale, out, lse, None, None, True, None),
+         False),
+        ("bind (every call)", lambda: bind(form, *call, inputs.softmax_scale, None, kv_scale, out, lse, None, True,
+                                           None), False),
         ("envs.raw_values()", envs.raw_values, False),
         ("is_current_stream_capturing()", torch.cuda.is_current_stream_capturing, False),
         ("decision without memo (_decide)", lambda: _decide(args, "auto", None, workspace, None, None, None), False),
