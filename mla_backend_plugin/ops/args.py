@@ -174,8 +174,8 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class CallForm:
-    """What the checks of ``prepare_args`` found of a valid call, all that ``bind`` needs to make its ``DecodeArgs``
-    without checking again: every call with the same ``call_fingerprint`` has this form."""
+    """What ``check_call`` found of a valid call, all that ``bind`` needs to make its ``DecodeArgs`` without checking
+    again: every call with the same ``call_fingerprint`` has this form."""
 
     pair: bool  # q is the (q_nope, q_pe) pair, else one [T, H, 576] tensor
     squeeze: bool  # the cache is [num_blocks, block_size, 1, 576]
