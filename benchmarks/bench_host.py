@@ -10,8 +10,15 @@ with ``time.perf_counter`` and, for our serving path, profiled with cProfile.
 
     python benchmarks/bench_host.py                       # B 1/32/128 x S 1024/8192, bf16 + fp8
     python benchmarks/bench_host.py --batches 32 --kv-dtypes bf16 --profile-top 25
+    python benchmarks/bench_host.py --cpu-dry              # no GPU: the serving path's Python, launches stubbed
 
 Writes ``host_results.md`` (and the cProfile listings) to ``--out-dir``.
+
+``--cpu-dry`` runs on any machine: the serving path as vLLM's eager forward_mqa calls it (q as vLLM 0.26 builds
+it, a StepPlans per step shared by ``--layers`` calls, ``max_seq_len`` given), on CPU tensors, with the device
+queries answering for an H100 and what needs a GPU stubbed: the compiled CuTe function (and its TVM-FFI argument
+conversion), the stream handle, the Triton combine's launch and the capture queries. What it times is our Python
+between ``forward_mqa`` and the launch, which those stubs leave out.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ SERVING = "serving:auto"  # DecodeRunner.decode, as CuteMLAImpl.forward_mqa call
 
 
 class ServingPath:
-    """Our decode as vLLM's forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's workspace,
-    with the autotuner's warm-up hook (its static table here: no tuning)."""
+    """Our decode as vLLM 0.26's eager forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's
+    workspace, with the autotuner's warm-up hook (its static table here: no tuning), the (q_nope, q_pe) pair for a
+    16-bit cache and the fp8 q for an fp8 cache (what vLLM hands CUTE_MLA on Hopper, ``serving.fp8_query``), the
+    step's longest length and one ``StepPlans`` for every call (the layers after a step's first, which plans)."""
 
     name = SERVING
 
@@ -44,27 +53,33 @@ class ServingPath:
         return None
 
     def query_dtype(self, cell, cc):
-        return "bf16"
+        return "fp8" if cell.kv_dtype == "fp8" and serving.fp8_query("auto", cc) else "bf16"
 
     def prepare(self, cell: Cell, inputs) -> PeerCall:
-        q, _ = inputs.query("bf16")
-        q_pair = (q[..., :512], q[..., 512:])  # vLLM 0.26 hands decode (q_nope, q_pe)
+        from mla_backend_plugin.ops.workspace import StepPlans
+
+        q_dtype = self.query_dtype(cell, torch.cuda.get_device_capability(inputs.device))
+        q, q_scale = inputs.query(q_dtype)
+        if q_dtype != "fp8":
+            q = (q[..., :512], q[..., 512:])  # vLLM 0.26 hands decode (q_nope, q_pe)
         kv_dtype = "fp8" if cell.kv_dtype == "fp8" else "auto"
         workspace = serving.make_workspace(inputs.device, max_num_seqs=cell.batch, num_speculative_tokens=0,
                                            num_heads=cell.num_heads, out_dtype=torch.bfloat16)
         deployment = serving.make_deployment(
             num_heads=cell.num_heads, max_num_seqs=cell.batch, num_speculative_tokens=cell.q_len - 1,
             model_dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, block_size=cell.block_size,
-            max_model_len=cell.seq_len)
-        serving.DeploymentTuning(deployment, tune=False, host_lengths=False).run_once(inputs.device)  # as a builder
+            max_model_len=cell.seq_len, fp8_query=q_dtype == "fp8")
+        serving.DeploymentTuning(deployment, tune=False, host_lengths=True).run_once(inputs.device)  # as a builder
         runner = serving.DecodeRunner(inputs.softmax_scale, kv_dtype)
         kv_scale = inputs.kv_scale_tensor()
         cache = inputs.kv_caches[0]
         if cell.kv_dtype == "fp8":
             cache = cache.view(torch.uint8)  # vLLM stores an fp8 cache as bytes
+        step = StepPlans()
 
         def launch(i):
-            return runner.decode(q_pair, cache, inputs.block_table, inputs.seq_lens, workspace, kv_scale=kv_scale)
+            return runner.decode(q, cache, inputs.block_table, inputs.seq_lens, workspace, q_scale=q_scale,
+                                 kv_scale=kv_scale, max_seq_len=cell.seq_len, step=step)
 
         return PeerCall(launch, lambda raw: raw)
 
@@ -94,7 +109,8 @@ def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
     from mla_backend_plugin import envs
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
     from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N
-    from mla_backend_plugin.ops.api import _decide, prepare_args
+    from mla_backend_plugin.ops.api import _decide
+    from mla_backend_plugin.ops.args import bind, call_fingerprint, check_call
     from mla_backend_plugin.ops.manifest import PlanTile
 
     q, _ = inputs.query("bf16")
@@ -104,17 +120,22 @@ def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
     out, lse = workspace.output_views(cell.tokens)
     kv_scale = inputs.kv_scale_tensor()
     cache = inputs.kv_caches[0]
+    call = (q_pair, cache, inputs.block_table, inputs.seq_lens)
 
-    def prep():
-        return prepare_args(q_pair, cache, inputs.block_table, inputs.seq_lens, softmax_scale=inputs.softmax_scale,
-                            kv_scale=kv_scale, out=out, lse=lse)
+    def check():
+        return check_call(*call, softmax_scale=inputs.softmax_scale, kv_scale=kv_scale, out=out, lse=lse)
 
-    args = prep()
+    form = check()
+    args = bind(form, *call, inputs.softmax_scale, None, kv_scale, out, lse, None, True, None)
     spec, config, _ = _decide(args, "cute_sm90", None, workspace, None, None, None)
     plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
     stages = [
-        ("prepare_args (validation)", prep, False),
-        ("args.signature()", args.signature, False),
+        ("check_call (validation: a shape's first call)", check, False),
+        ("call_fingerprint (every call)",
+         lambda: call_fingerprint(*call, inputs.softmax_scale, None, None, kv_scale, out, lse, None, None, True, None),
+         False),
+        ("bind (every call)", lambda: bind(form, *call, inputs.softmax_scale, None, kv_scale, out, lse, None, True,
+                                           None), False),
         ("envs.raw_values()", envs.raw_values, False),
         ("is_current_stream_capturing()", torch.cuda.is_current_stream_capturing, False),
         ("decision without memo (_decide)", lambda: _decide(args, "auto", None, workspace, None, None, None), False),
@@ -150,6 +171,112 @@ def profile_text(profile: cProfile.Profile, top: int, calls: int) -> str:
     return f"(cProfile over {calls} calls: divide the times by {calls} for one call)\n" + stream.getvalue()
 
 
+def install_cpu_stubs() -> None:
+    """--cpu-dry: device queries answer for an H100 (sm_90, 132 SMs); compiled kernels, the stream handle and the
+    Triton combine launch are no-ops. Process-global: only for a process that runs nothing else."""
+    import functools
+
+    from mla_backend_plugin.kernels.combine import kernel as combine
+    from mla_backend_plugin.kernels.cute_sm90 import launch as sm90
+    from mla_backend_plugin.ops import api, registry
+    from mla_backend_plugin.ops import workspace as workspace_mod
+
+    registry.device_capability = lambda device: (9, 0)
+    registry.device_smem_per_block = api.device_smem_per_block = lambda device: 232_448
+    serving.MLAWorkspace = functools.partial(workspace_mod.MLAWorkspace, num_sms=132)
+
+    def kernel(*args):
+        return None
+
+    sm90._compiled = functools.cache(lambda variant, use_pdl: kernel)
+    sm90.current_cu_stream = lambda device: None
+    sm90._device_sms = lambda index: 132
+    combine.launch_combine = lambda *args, **kwargs: None
+
+
+def vllm_decode_inputs(batch: int, seq_len: int, kv_dtype: str, num_heads: int = 128, block_size: int = 64):
+    """(q, cache, block_table, seq_lens, q_scale, kv_scale) on the CPU as vLLM 0.26's MLA layer hands forward_mqa
+    them: a bf16 cache gets the pair (W_UK^T q_nope's transposed bmm output, q_pe a slice of the projected q); an
+    fp8 cache the concatenated fp8 q (supports_quant_query_input) and 0-d scales, the cache as bytes. The cache
+    holds a few pages: nothing reads it."""
+    qkv = torch.zeros(batch, num_heads, 192, dtype=torch.bfloat16)
+    blocks = -(-seq_len // block_size)
+    block_table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks) % 8
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    if kv_dtype == "fp8":
+        q = torch.zeros(batch, num_heads, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        cache = torch.zeros(8, block_size, 576, dtype=torch.uint8)
+        return q, cache, block_table, seq_lens, torch.tensor(1.0), torch.tensor(1.0)
+    ql_nope = torch.zeros(num_heads, batch, 512, dtype=torch.bfloat16).transpose(0, 1)
+    cache = torch.zeros(8, block_size, 576, dtype=torch.bfloat16)
+    return (ql_nope, qkv[..., 128:]), cache, block_table, seq_lens, torch.tensor(1.0), torch.tensor(1.0)
+
+
+def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, layers: int,
+             profile: cProfile.Profile | None) -> list[float]:
+    """--cpu-dry, one cell: us per call of each timed step (``layers`` calls sharing a new StepPlans); then, with
+    ``profile``, ``iters`` more steps under it."""
+    from mla_backend_plugin.ops.workspace import StepPlans
+
+    tuned.set_seq_profile([seq_len])
+    q, cache, block_table, seq_lens, q_scale, kv_scale = vllm_decode_inputs(batch, seq_len, kv)
+    workspace = serving.make_workspace("cpu", max_num_seqs=max_batch, num_speculative_tokens=0, num_heads=128,
+                                       out_dtype=torch.bfloat16)
+    runner = serving.DecodeRunner(0.1, "fp8" if kv == "fp8" else "auto")
+
+    def one_step():
+        step = StepPlans()  # a step's metadata: its first call plans, the other layers reuse the plan
+        for _ in range(layers):
+            runner.decode(q, cache, block_table, seq_lens, workspace, q_scale=q_scale, kv_scale=kv_scale,
+                          max_seq_len=seq_len, step=step)
+
+    times = []
+    for i in range(iters + 5):  # the first steps decide and plan: not timed
+        t = time.perf_counter()
+        one_step()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e6 / layers)
+    for _ in range(iters if profile is not None else 0):
+        profile.enable()
+        one_step()
+        profile.disable()
+    return times
+
+
+def cpu_dry(args) -> int:
+    """Per call us of the serving path (``--layers`` calls per step, one StepPlans each), cProfile of it."""
+    install_cpu_stubs()
+    lines = ["# Host time of the serving path, CPU dry run (us per call: median [p10, p90])", "",
+             f"{args.iters} steps of {args.layers} calls each; compiled kernels, the stream handle and the combine "
+             "launch stubbed (bench_host.py --cpu-dry).", ""]
+    profiles = []
+    batches = list(map(int, args.batches.split(",")))
+    for kv in args.kv_dtypes.split(","):
+        for s in map(int, args.seq_lens.split(",")):
+            lines += [f"## kv {kv}, S = {s}", "", "| runner | " + " | ".join(f"B={b}" for b in batches) + " |",
+                      "|---|" + "---:|" * len(batches)]
+            texts = []
+            for b in batches:
+                prof = cProfile.Profile() if args.profile_top else None
+                med, lo, hi = summary(dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof))
+                texts.append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
+                if prof is not None:
+                    profiles.append((f"B={b} S={s} kv={kv}",
+                                     profile_text(prof, args.profile_top, args.iters * args.layers)))
+            lines += [f"| {SERVING} | " + " | ".join(texts) + " |", ""]
+    write_results(Path(args.out_dir), lines, profiles)
+    return 0
+
+
+def write_results(out_dir: Path, lines: list[str], profiles: list[tuple[str, str]]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "host_results.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "host_profiles.txt").write_text("\n\n".join(f"===== {label}\n{text}" for label, text in profiles))
+    print("\n".join(lines))
+    if profiles:
+        print(f"===== {profiles[0][0]}\n{profiles[0][1]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,32,128")
@@ -161,9 +288,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile-top", type=int, default=18, help="cProfile rows of the serving path (0: none)")
     p.add_argument("--stages", action="store_true", help="also time the serving call's stages (first B and S)")
     p.add_argument("--out-dir", default="host_results")
+    p.add_argument("--cpu-dry", action="store_true", help="no GPU: our serving path on CPU tensors, launches stubbed")
+    p.add_argument("--layers", type=int, default=16, help="--cpu-dry: calls per step (one StepPlans each)")
     args = p.parse_args(argv)
+    if args.cpu_dry:
+        return cpu_dry(args)
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     cc = torch.cuda.get_device_capability(device)
     runners = [ServingPath()] + [OurKernel(k, "bf16", False) for k in args.kernels.split(",") if k]
@@ -209,11 +339,7 @@ def main(argv=None) -> int:
         inputs = cell_inputs(cell, device)
         lines += [f"## Stages of the serving call, {cell.label()} (median us)", "", "| stage | us |", "|---|---:|"]
         lines += [f"| {name} | {us:.1f} |" for name, us in stage_times(cell, inputs, args.iters)] + [""]
-    (out_dir / "host_results.md").write_text("\n".join(lines) + "\n")
-    (out_dir / "host_profiles.txt").write_text("\n\n".join(f"===== {label}\n{text}" for label, text in profiles))
-    print("\n".join(lines))
-    if profiles:
-        print(f"===== {profiles[0][0]}\n{profiles[0][1]}")
+    write_results(out_dir, lines, profiles)
     return 0
 
 

@@ -29,6 +29,19 @@ def test_bench_dry_run_lists_grid_and_peers():
     assert "1024" in out and "8192" in out
 
 
+def test_bench_host_cpu_dry_times_and_profiles_the_serving_path(tmp_path):
+    """bench_host.py --cpu-dry: the serving path's Python per call on any machine, a table per cache dtype and a
+    cProfile listing per cell whose calls reach mla_decode and cute_sm90's launch (stubbed below the launch)."""
+    proc = _run("benchmarks/bench_host.py", "--cpu-dry", "--batches", "1,4", "--seq-lens", "1024", "--iters", "3",
+                "--layers", "2", "--profile-top", "40", "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (tmp_path / "host_results.md").read_text()
+    assert table.count("| serving:auto |") == 2 and "## kv fp8, S = 1024" in table
+    profiles = (tmp_path / "host_profiles.txt").read_text()
+    assert profiles.count("=====") == 4
+    assert "(mla_decode)" in profiles and "cute_sm90/launch.py" in profiles
+
+
 def test_compare_runs_ratios(tmp_path):
     """benchmarks/compare_runs.py: per-cell ratio of one kernel across runs, geomean and extremes."""
     import json

@@ -620,6 +620,128 @@ def test_decisions_are_kept_per_signature(monkeypatch):
     assert len(decided) == 7 and len(ws.decisions) == 6
 
 
+def _fingerprint_cases():
+    """(label, q, kv_cache, block_table, seq_lens, keywords) of calls in every input form a fingerprint tells apart."""
+    pair = make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "pair", "cpu", 8)
+    cat = make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "cat", "cpu", 8)
+    fp8 = make_decode_inputs(2, [5, 70], 1, 16, 16, FP8, "cat", "cpu", 9, kv_scale=2.0)
+    fp8q = make_decode_inputs(2, [5, 70], 1, 16, 16, FP8, "fp8", "cpu", 9, kv_scale=2.0, q_scale=0.5)
+    rows = torch.tensor([[1, 1], [39, 40], [6, 7]], dtype=torch.int32)
+    out = torch.empty(6, 16, KV_LORA_RANK, dtype=BF16)
+    return [
+        ("pair", *pair.call_args(), {}),
+        ("cat", *cat.call_args(), {}),
+        ("4-d cache", cat.q, cat.kv_caches[0].unsqueeze(2), cat.block_table, cat.seq_lens, {}),
+        ("out given", *cat.call_args(), {"out": out, "lse": torch.empty(6, 16)}),
+        ("row_kv_lens", *cat.call_args(), {"row_kv_lens": rows}),
+        ("no lse", *cat.call_args(), {"return_lse": False}),
+        ("fp8 float scale", *fp8.call_args(), fp8.scale_kwargs()),
+        ("fp8 tensor scale", *fp8.call_args(), fp8.scale_kwargs(True)),
+        ("fp8 0-d scale", *fp8.call_args(), {"kv_scale": torch.tensor(2.0)}),
+        ("fp8 q", *fp8q.call_args(), {**fp8q.scale_kwargs(True), "out_dtype": BF16}),
+    ]
+
+
+def test_call_fingerprint_covers_checks_and_signature():
+    """Calls of one fingerprint check alike and decide alike: each input form has its own fingerprint, equal
+    fingerprints give equal signatures, and bind() of the checked form builds what prepare_args builds."""
+    from mla_backend_plugin.ops.args import bind, call_fingerprint, check_call
+
+    def fingerprint(q, kv, bt, sl, kw):
+        return call_fingerprint(q, kv, bt, sl, SOFTMAX_SCALE, None, kw.get("q_scale"), kw.get("kv_scale"),
+                                kw.get("out"), kw.get("lse"), kw.get("out_dtype"), kw.get("row_kv_lens"),
+                                kw.get("return_lse", True), None)
+
+    seen = {}
+    for label, q, kv, bt, sl, kw in _fingerprint_cases():
+        need_lse = kw.pop("return_lse", True)
+        key = fingerprint(q, kv, bt, sl, {**kw, "return_lse": need_lse})
+        assert key is not None and key not in seen, (label, seen.get(key))
+        seen[key] = label
+        args = prepare_args(q, kv, bt, sl, softmax_scale=SOFTMAX_SCALE, need_lse=need_lse, **kw)
+        form = check_call(q, kv, bt, sl, softmax_scale=SOFTMAX_SCALE, need_lse=need_lse, **kw)
+        bound = bind(form, q, kv, bt, sl, SOFTMAX_SCALE, kw.get("q_scale"), kw.get("kv_scale"), kw.get("out"),
+                     kw.get("lse"), kw.get("row_kv_lens"), need_lse, None)
+        assert bound.signature()[:-8] == args.signature()[:-8], label  # data_ptr % 16 of fresh out/lse aside
+        for name in ("batch", "q_len", "num_heads", "softmax_scale", "compute_dtype", "need_lse"):
+            assert getattr(bound, name) == getattr(args, name), (label, name)
+        for name in ("q_nope", "q_pe", "kv_cache", "q_scale", "kv_scale"):
+            a, b = getattr(bound, name), getattr(args, name)
+            if isinstance(a, torch.Tensor):
+                assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr(), (label, name)
+            else:
+                assert a == b, (label, name)
+        assert bound.kv_cache.dim() == 3 and (bound.kv_scale is None or not isinstance(bound.kv_scale, torch.Tensor)
+                                              or bound.kv_scale.shape == (1,))
+    # inputs of other kinds get none (mla_decode then checks them every call)
+    pair = make_decode_inputs(1, [3], 1, 16, 16, BF16, "pair", "cpu", 1)
+    for bad in ({"softmax_scale": True}, {"need_lse": 1}, {"q": (pair.q[0],)}, {"kv": "cache"}):
+        call = {"q": pair.q, "kv": pair.kv_caches[0], "softmax_scale": SOFTMAX_SCALE, "need_lse": True, **bad}
+        assert call_fingerprint(call["q"], call["kv"], pair.block_table, pair.seq_lens, call["softmax_scale"], None,
+                                None, None, None, None, None, None, call["need_lse"], None) is None, bad
+
+
+def test_kept_checks_still_refuse_bad_input(monkeypatch):
+    """After a valid call's checks are kept, a call that differs in anything the checks read is checked again and
+    refused with its own message; the kept form serves only its own fingerprint."""
+    from mla_backend_plugin.ops import api
+
+    ws = MLAWorkspace(device="cpu", max_batch=4, max_q_len=2, num_heads=16, num_sms=NUM_SMS)
+    inp = make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "cat", "cpu", 8)
+    checked = []
+    real = api.check_call
+
+    def counting(*a, **kw):
+        checked.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "check_call", counting)
+
+    def call(*args, softmax_scale=inp.softmax_scale, **kw):
+        return mla_decode(*args, softmax_scale=softmax_scale, kernel="reference", workspace=ws, **kw)
+
+    call(*inp.call_args())
+    call(*inp.call_args())
+    assert len(checked) == 1
+    refusals = [
+        ("softmax_scale: must be a positive", inp.call_args(), {"softmax_scale": -1.0}),
+        ("seq_lens: must be an int32", (inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens.long()), {}),
+        ("block_table: last dimension must be contiguous",
+         (inp.q, inp.kv_caches[0], inp.block_table.t().contiguous().t(), inp.seq_lens), {}),
+        ("kv_scale: is a dequantisation scale of an fp8 tensor", inp.call_args(), {"kv_scale": 2.0}),
+        ("out: must be a", inp.call_args(), {"out": torch.empty(6, 16, 256, dtype=BF16)}),
+    ]
+    for message, args, kw in refusals:
+        for _ in range(2):
+            with pytest.raises(ValueError, match=message):
+                call(*args, **kw)
+    assert len(checked) == 1 + 2 * len(refusals)
+    with pytest.raises(ValueError, match="step: must be a StepPlans"):  # not an input the fingerprint holds
+        call(*inp.call_args(), step=object())
+
+
+def test_workspace_keeps_output_views_and_checked_plans():
+    from mla_backend_plugin.ops.manifest import LaunchConfig, PlanTile
+
+    ws = MLAWorkspace(device="cpu", max_batch=4, max_q_len=2, num_heads=16, num_sms=NUM_SMS,
+                      out_dtype=torch.bfloat16)
+    out, lse = ws.output_views(6)
+    assert ws.output_views(6)[0] is out and out.shape[0] == 6 and out.data_ptr() == ws.out_buffer.data_ptr()
+    with torch.inference_mode():
+        assert ws.output_views(6)[0] is not out  # views made in inference mode are kept apart
+    with pytest.raises(ValueError, match="exceed the workspace"):
+        ws.output_views(9)
+    args = prepare_args(*make_decode_inputs(3, [1, 40, 7], 2, 16, 16, BF16, "cat", "cpu", 8).call_args(),
+                        softmax_scale=SOFTMAX_SCALE)
+    tile = PlanTile(64, 64)
+    plan = ws.plan_for(args, tile, LaunchConfig())
+    assert ws.plan_for(args, tile, LaunchConfig()) is plan
+    too_many = LaunchConfig(max_splits=64)
+    for _ in range(2):  # a refusal is not kept: every call raises it
+        with pytest.raises(ValueError, match="split capacity"):
+            ws.plan_for(args, tile, too_many)
+
+
 def test_reference_kernel_accepts_4d_cache_and_q_len():
     inp = make_decode_inputs(2, [3, 50], 4, 16, 16, BF16, "cat", "cpu", 13)
     out_a, lse_a = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, kernel="reference")

@@ -249,3 +249,31 @@ def test_offline_tuner_takes_the_q_an_engine_takes(monkeypatch):
     assert q_dtypes(["--q-dtype", "model"], (9, 0)) == {"bf16"} and q_dtypes(["--q-dtype", "fp8"], (10, 0)) == {"fp8"}
     monkeypatch.setenv("CUTE_MLA_FP8_QUERY", "0")  # an engine told to keep the model dtype is tuned with it
     assert q_dtypes([], (9, 0)) == {"bf16"}
+
+
+def test_runner_scales_as_mla_decode_takes_them(monkeypatch):
+    """The runner hands mla_decode an engine's scales in their kernel form, made once per scale tensor (vLLM's
+    0-d scales as [1] views), a float as it is, 1.0 for an fp8 q without a scale, None for 16-bit tensors; the
+    outputs are mla_decode's with the engine's own scales."""
+    monkeypatch.setenv("CUTE_MLA_KERNEL", "reference")
+    from mla_backend_plugin.ops import mla_decode
+
+    inp = make_decode_inputs(2, [9, 40], 1, 16, 16, torch.float8_e4m3fn, "fp8", "cpu", seed=3, kv_scale=0.5,
+                             q_scale=0.25)
+    runner = serving.DecodeRunner(inp.softmax_scale, "fp8")
+    kv_scale, q_scale = torch.tensor(0.5), torch.tensor(0.25)  # 0-d, as vLLM's layer._k_scale / _q_scale
+    forms = runner._scales(q_scale, kv_scale, True)
+    assert [f.shape for f in forms] == [(1,), (1,)] and forms[1].data_ptr() == kv_scale.data_ptr()
+    assert runner._scales(q_scale, kv_scale, True) is forms
+    assert runner._scales(q_scale, torch.tensor(0.5), True) is not forms  # another tensor: made again
+    assert runner._scales(None, 0.5, True) == (1.0, 0.5)
+    assert runner._scales(q_scale, kv_scale, False) == (None, forms[1])
+    assert serving.DecodeRunner(inp.softmax_scale, "auto")._scales(q_scale, kv_scale, False) == (None, None)
+    ws = serving.make_workspace("cpu", max_num_seqs=4, num_speculative_tokens=0, num_heads=16,
+                                out_dtype=torch.bfloat16)
+    for _ in range(2):
+        out, lse = runner.decode(inp.q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, q_scale=q_scale,
+                                 kv_scale=kv_scale)
+    want_out, want_lse = mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, q_scale=0.25, kv_scale=0.5,
+                                    out_dtype=torch.bfloat16)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

@@ -3,7 +3,8 @@
 A call is validated (ops/args.py), then decided: the tuned choice for its shape (ops/tuned.py) when the tuner
 has one, else the arch table's (``select_kernel``: the first kernel of ``registry.AUTO_ORDER`` that supports the
 call and passes its first-use self-check, ops/selfcheck.py), checked to fit the workspace (ops/workspace.py), and
-launched. A workspace keeps the decision of each call signature, so an engine's layers and steps decide once.
+launched. A workspace keeps the checks' verdict and the decision of each call fingerprint, so an engine's layers
+and steps check and decide once per shape.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch
 from mla_backend_plugin import envs
 from mla_backend_plugin.ops import registry, selfcheck, tuned
 from mla_backend_plugin.ops.arch import device_smem_per_block
-from mla_backend_plugin.ops.args import DcpLayout, DecodeArgs, Scale, fail, prepare_args
+from mla_backend_plugin.ops.args import (
+    DcpLayout,
+    DecodeArgs,
+    Scale,
+    bind,
+    call_fingerprint,
+    check_call,
+    fail,
+    prepare_args,
+)
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, KernelManifest, LaunchConfig
 from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, default_workspace
@@ -102,33 +112,41 @@ def mla_decode(
         ``(out [T, H, 512], lse [T, H] float32)``; lse is the natural-log log-sum-exp of the scaled logits, or
         None with ``return_lse=False``.
     """
-    args = prepare_args(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
-                        q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
-                        row_kv_lens=row_kv_lens, need_lse=return_lse, dcp=dcp)
+    # An engine calls with one workspace and the same shapes every layer and step: the checks of a call's inputs
+    # and the decision are kept in the workspace per call fingerprint (what both depend on of the inputs:
+    # args.call_fingerprint), so only the first call of a shape pays them (they cost more host time than the
+    # launch itself, and eager steps - chunked prefill's mixed batches - would pay them once per layer). The key
+    # also holds all a decision depends on besides the inputs: the tuner's table version, the environment
+    # (CUTE_MLA_KERNEL included, so "auto" is resolved on a miss only), capture (which pins tuned choices).
+    key = form = decided = None
+    if workspace is not None and (config is None or isinstance(config, LaunchConfig)):
+        fingerprint = call_fingerprint(q, kv_cache, block_table, seq_lens, softmax_scale, q_len, q_scale, kv_scale,
+                                       out, lse, out_dtype, row_kv_lens, return_lse, dcp)
+        if fingerprint is not None:
+            device = (q[0] if isinstance(q, (tuple, list)) else q).device
+            key = (fingerprint, kernel, config, enable_pdl, fp8_design,
+                   None if max_seq_len is None else tuned.seq_bucket(max_seq_len),
+                   device.type == "cuda" and torch.cuda.is_current_stream_capturing(), tuned.table_version(),
+                   envs.raw_values())
+            form, decided = workspace.decisions.get(key, (None, None))
+    if form is None:
+        form = check_call(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len,
+                          q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype,
+                          row_kv_lens=row_kv_lens, need_lse=return_lse, dcp=dcp)
+    args = bind(form, q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, kv_scale, out, lse, row_kv_lens,
+                return_lse, dcp)
     if step is not None:
         if not isinstance(step, StepPlans):
             fail("step", f"must be a StepPlans (one per decode step) or None, got {type(step).__name__}")
         args.step = step
     if config is not None and not isinstance(config, LaunchConfig):
         fail("config", f"must be a LaunchConfig, got {type(config).__name__}")
-    if kernel == "auto":
-        kernel = envs.CUTE_MLA_KERNEL
-    # An engine calls with one workspace and the same shapes every layer and step: the decision of a signature is
-    # kept in the workspace (the checks behind it cost more host time than the launch itself, and eager steps -
-    # chunked prefill's mixed batches - pay it once per layer). The key holds all a decision depends on besides
-    # the call's shapes: the tuner's table version, the environment, capture (which pins tuned choices).
-    key = decided = None
-    if workspace is not None:
-        device = args.q_nope.device
-        key = (kernel, config, enable_pdl, fp8_design, args.signature(),
-               None if max_seq_len is None else tuned.seq_bucket(max_seq_len),
-               device.type == "cuda" and torch.cuda.is_current_stream_capturing(), tuned.table_version(),
-               envs.raw_values())
-        decided = workspace.decisions.get(key)
     if decided is None:
+        if kernel == "auto":
+            kernel = envs.CUTE_MLA_KERNEL
         decided = _decide(args, kernel, config, workspace, enable_pdl, fp8_design, max_seq_len)
         if key is not None:
-            workspace.decisions[key] = decided
+            workspace.decisions[key] = (form, decided)
     spec, config, workspace = decided
     spec.launch(args, workspace, config)
     return args.out, args.lse if return_lse else None

@@ -129,9 +129,9 @@ def fail(arg: str, msg: str):
     raise ValueError(f"mla_decode: {arg}: {msg}")
 
 
-def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.device) -> Scale:
+def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.device) -> None:
     if scale is None:
-        return None
+        return
     if not tensor_is_fp8:
         fail(name, "is a dequantisation scale of an fp8 tensor; pass None when that tensor is 16-bit")
     if isinstance(scale, torch.Tensor):
@@ -139,8 +139,8 @@ def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.dev
             fail(name, f"must be a float or a 1-element float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
         if scale.device != device:
             fail(name, f"must be on {device}, got {scale.device}")
-        return scale.reshape(1)  # one shape for every kernel (vLLM passes 0-d scales); a view, no copy
-    return float(scale)
+    else:
+        float(scale)  # a number (else its TypeError / ValueError)
 
 
 def _describe(t) -> str:
@@ -172,12 +172,126 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
     return q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
 
 
+@dataclasses.dataclass(frozen=True)
+class CallForm:
+    """What ``check_call`` found of a valid call, all that ``bind`` needs to make its ``DecodeArgs`` without checking
+    again: every call with the same ``call_fingerprint`` has this form."""
+
+    pair: bool  # q is the (q_nope, q_pe) pair, else one [T, H, 576] tensor
+    squeeze: bool  # the cache is [num_blocks, block_size, 1, 576]
+    batch: int
+    q_len: int
+    num_heads: int
+    out_dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+
 def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
                  q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
                  lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  row_kv_lens: torch.Tensor | None = None, need_lse: bool = True,
                  dcp: DcpLayout | None = None) -> DecodeArgs:
     """Validate every input of ``mla_decode`` (no device sync) and allocate out/lse if not given."""
+    form = check_call(q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, q_len=q_len, q_scale=q_scale,
+                      kv_scale=kv_scale, out=out, lse=lse, out_dtype=out_dtype, row_kv_lens=row_kv_lens,
+                      need_lse=need_lse, dcp=dcp)
+    return bind(form, q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, kv_scale, out, lse, row_kv_lens,
+                need_lse, dcp)
+
+
+def bind(form: CallForm, q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, kv_scale, out, lse,
+         row_kv_lens, need_lse, dcp) -> DecodeArgs:
+    """The ``DecodeArgs`` of a call whose inputs ``check_call`` found valid with ``form`` (no check here): q split,
+    the cache squeezed, scales in their normal form, out / lse allocated when not given."""
+    q_nope, q_pe = q if form.pair else q.split_with_sizes((KV_LORA_RANK, QK_ROPE_HEAD_DIM), -1)
+    if form.squeeze:
+        kv_cache = kv_cache.squeeze(2)
+    num_tokens = form.batch * form.q_len
+    if out is None:
+        out = torch.empty((num_tokens, form.num_heads, KV_LORA_RANK), dtype=form.out_dtype, device=q_nope.device)
+    if lse is None:
+        lse = torch.empty((num_tokens, form.num_heads), dtype=torch.float32, device=q_nope.device)
+    return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
+                      batch=form.batch, q_len=form.q_len, num_heads=form.num_heads,
+                      softmax_scale=float(softmax_scale), q_scale=kernel_scale(q_scale),
+                      kv_scale=kernel_scale(kv_scale), out=out, lse=lse, compute_dtype=form.compute_dtype,
+                      row_kv_lens=row_kv_lens, need_lse=need_lse, dcp=dcp)
+
+
+def kernel_scale(scale: Scale) -> Scale:
+    """A checked scale as kernels take it: one shape for every kernel (vLLM passes 0-d tensors: a [1] view, no
+    copy; serving.DecodeRunner hands them in that shape already), a number as a Python float."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        return scale if scale.dim() == 1 else scale.reshape(1)
+    return float(scale)
+
+
+def _meta(t) -> tuple:
+    """What the checks read of a tensor argument (TypeError for anything else)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _aligned_meta(t) -> tuple:
+    """``_meta`` and the 16-byte alignment the decision may depend on (DecodeArgs.signature)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
+def _scale_meta(scale) -> tuple | type | None:
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        return scale.shape, scale.dtype, scale.device
+    if type(scale) not in (float, int):
+        raise TypeError  # other numbers: checked every call
+    return type(scale)
+
+
+def call_fingerprint(q, kv_cache, block_table, seq_lens, softmax_scale, q_len, q_scale, kv_scale, out, lse,
+                     out_dtype, row_kv_lens, need_lse, dcp) -> tuple | None:
+    """Everything of a call's inputs that ``check_call``'s verdict and ``CallForm``, and the kernel decision
+    (``DecodeArgs.signature``), depend on: types, shapes, strides, dtypes, devices, the 16-byte alignment of the
+    tensors kernels load, the scale forms, whether softmax_scale is positive. Calls with one fingerprint are all
+    valid or all not, and share one form and one decision (mla_decode keeps both per workspace, so an engine's
+    layers and steps check a shape once). None for inputs of other kinds (they are checked every call)."""
+    try:
+        if type(need_lse) is not bool or type(softmax_scale) not in (float, int) \
+                or not (q_len is None or type(q_len) is int) \
+                or not (out_dtype is None or isinstance(out_dtype, torch.dtype)):
+            return None
+        if isinstance(q, (tuple, list)):
+            if len(q) != 2:
+                return None
+            q_key = (_aligned_meta(q[0]), _aligned_meta(q[1]))
+        else:
+            q_key = _aligned_meta(q)
+        if dcp is None:
+            dcp_key = None
+        elif type(dcp) is DcpLayout and type(dcp.world) is int and type(dcp.rank) is int \
+                and type(dcp.interleave) is int:
+            dcp_key = (dcp.world, dcp.rank, dcp.interleave, _meta(dcp.global_seq_lens))
+        else:
+            return None
+        return (q_key, _aligned_meta(kv_cache), _meta(block_table), _meta(seq_lens), softmax_scale > 0, q_len,
+                _scale_meta(q_scale), _scale_meta(kv_scale), None if out is None else _aligned_meta(out),
+                None if lse is None else _meta(lse), out_dtype, None if row_kv_lens is None else _meta(row_kv_lens),
+                need_lse, dcp_key)
+    except TypeError:
+        return None
+
+
+def check_call(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_len: int | None = None,
+               q_scale: Scale = None, kv_scale: Scale = None, out: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               row_kv_lens: torch.Tensor | None = None, need_lse: bool = True,
+               dcp: DcpLayout | None = None) -> CallForm:
+    """Check every input of ``mla_decode`` (no device sync; a bad one is a ValueError naming it and what is
+    allowed); the call's ``CallForm``."""
     if not isinstance(need_lse, bool):
         fail("return_lse", f"must be True or False, got {need_lse!r}")
     q_nope, q_pe = _split_q(q)
@@ -191,8 +305,9 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
 
     if not isinstance(kv_cache, torch.Tensor):
         fail("kv_cache", f"must be a tensor, got {type(kv_cache).__name__}")
-    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
-        kv_cache = kv_cache.squeeze(2)  # [num_blocks, block_size, 1, 576] (one latent "head")
+    squeeze = kv_cache.dim() == 4 and kv_cache.shape[2] == 1  # [num_blocks, block_size, 1, 576] (one latent "head")
+    if squeeze:
+        kv_cache = kv_cache.squeeze(2)
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != QK_HEAD_DIM:
         fail("kv_cache", f"must be [num_blocks, block_size, {QK_HEAD_DIM}], got {tuple(kv_cache.shape)}")
     if kv_cache.dtype not in KV_CACHE_DTYPES:
@@ -254,23 +369,18 @@ def prepare_args(q, kv_cache, block_table, seq_lens, *, softmax_scale: float, q_
     compute_dtype = out_dtype if q_is_fp8 else q_nope.dtype
     if not kv_is_fp8 and kv_cache.dtype != compute_dtype:
         fail("kv_cache", f"a 16-bit cache must have q's dtype ({compute_dtype}), got {kv_cache.dtype}")
-    q_scale = _check_scale("q_scale", q_scale, q_is_fp8, device)
-    kv_scale = _check_scale("kv_scale", kv_scale, kv_is_fp8, device)
+    _check_scale("q_scale", q_scale, q_is_fp8, device)
+    _check_scale("kv_scale", kv_scale, kv_is_fp8, device)
     if not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
         fail("softmax_scale", f"must be a positive Python float, got {softmax_scale!r}")
 
     out_shape = (num_tokens, num_heads, KV_LORA_RANK)
-    if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=device)
-    elif tuple(out.shape) != out_shape or out.device != device or out.stride(-1) != 1:
+    if out is not None and (tuple(out.shape) != out_shape or out.device != device or out.stride(-1) != 1):
         fail("out", f"must be a {out_shape} tensor on {device} with a contiguous last dim, "
                      f"got {tuple(out.shape)} on {out.device}")
-    if lse is None:
-        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
-    elif tuple(lse.shape) != (num_tokens, num_heads) or lse.dtype != torch.float32 or lse.device != device:
+    if lse is not None and (tuple(lse.shape) != (num_tokens, num_heads) or lse.dtype != torch.float32
+                            or lse.device != device):
         fail("lse", f"must be a float32 tensor {(num_tokens, num_heads)} on {device}, "
                      f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    return DecodeArgs(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
-                      batch=batch, q_len=q_len, num_heads=num_heads, softmax_scale=float(softmax_scale),
-                      q_scale=q_scale, kv_scale=kv_scale, out=out, lse=lse, compute_dtype=compute_dtype,
-                      row_kv_lens=row_kv_lens, need_lse=need_lse, dcp=dcp)
+    return CallForm(pair=isinstance(q, (tuple, list)), squeeze=squeeze, batch=batch, q_len=q_len,
+                    num_heads=num_heads, out_dtype=out_dtype, compute_dtype=compute_dtype)

@@ -20,7 +20,7 @@ import torch
 from mla_backend_plugin import BACKEND_NAME, envs
 from mla_backend_plugin.ops import autotune, tuned
 from mla_backend_plugin.ops.api import mla_decode
-from mla_backend_plugin.ops.args import DcpLayout
+from mla_backend_plugin.ops.args import DcpLayout, kernel_scale
 from mla_backend_plugin.ops.constants import (
     FP8_DTYPE,
     KV_LORA_RANK,
@@ -395,6 +395,9 @@ class DecodeRunner:
         self.is_fp8_kv_cache = kv_cache_dtype.startswith("fp8")
         self.kernel = envs.CUTE_MLA_KERNEL
         self.check = check
+        # the scales an engine last passed and their kernel forms (an engine passes one layer's same scale tensors
+        # every step: one view made, not one per call); not the cache, which a view would keep alive
+        self._scale_forms: tuple = (None, None, None, None)
 
     def decode(self, q, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                workspace: MLAWorkspace, *, q_scale=None, kv_scale=None, max_seq_len: int | None = None,
@@ -410,15 +413,14 @@ class DecodeRunner:
         the layout's)."""
         q_is_fp8 = isinstance(q, torch.Tensor) and q.dtype == FP8_DTYPE
         cache = kernel_cache(kv_cache, self.kv_cache_dtype)
-        q_scale = dequant_scale(q_scale) if q_is_fp8 else None
-        kv_scale = dequant_scale(kv_scale) if self.is_fp8_kv_cache else None
-        scales = dict(q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
+        q_scale, kv_scale = self._scales(q_scale, kv_scale, q_is_fp8)
         if token_requests is None:
-            out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, dcp=dcp, **scales)
+            out, lse = self._launch(q, cache, block_table, seq_lens, row_kv_lens, workspace, q_scale, kv_scale,
+                                    max_seq_len, step, dcp)
         else:
             tr = token_requests
             out, lse = tr.scatter(*self._launch(tr.gather_q(q), cache, tr.block_table, tr.seq_lens, tr.row_kv_lens,
-                                                workspace, **scales))
+                                                workspace, q_scale, kv_scale, max_seq_len, step, None))
         if self.check is not None and not (workspace.device.type == "cuda"
                                            and torch.cuda.is_current_stream_capturing()):
             self.check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse, q_scale=q_scale,
@@ -426,9 +428,23 @@ class DecodeRunner:
                        query_lens=token_requests.query_lens if token_requests is not None else None)
         return out, lse
 
+    def _scales(self, q_scale, kv_scale, q_is_fp8: bool):
+        """(q_scale, kv_scale) as mla_decode takes them: ``dequant_scale`` for an fp8 q / cache, else None; a
+        1-element device tensor as the [1] view mla_decode would make of it (``args.kernel_scale``). Kept for the
+        tensors last passed (an engine passes one layer's same scale tensors every step); a float is converted
+        every call."""
+        given_q, given_kv, given_fp8, forms = self._scale_forms
+        if q_scale is given_q and kv_scale is given_kv and q_is_fp8 is given_fp8:
+            return forms
+        forms = (kernel_scale(dequant_scale(q_scale)) if q_is_fp8 else None,
+                 kernel_scale(dequant_scale(kv_scale)) if self.is_fp8_kv_cache else None)
+        if all(s is None or isinstance(s, torch.Tensor) for s in (q_scale, kv_scale)):
+            self._scale_forms = (q_scale, kv_scale, q_is_fp8, forms)
+        return forms
+
     def _launch(self, q, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace, dcp: DcpLayout | None = None,
-                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                row_kv_lens: torch.Tensor | None, workspace: MLAWorkspace, q_scale, kv_scale, max_seq_len: int | None,
+                step: StepPlans | None, dcp: DcpLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
         """mla_decode into the workspace's output buffers (fresh outputs past them). A batch of more requests than
         the workspace holds (token requests) runs in slices of at most max_batch requests, each writing its rows."""
         num_rows = (q[0] if isinstance(q, (tuple, list)) else q).shape[0]
@@ -436,7 +452,8 @@ class DecodeRunner:
         batch = block_table.shape[0]
         if batch <= workspace.max_batch:
             mla_decode(q, cache, block_table, seq_lens, softmax_scale=self.softmax_scale, out=out, lse=lse,
-                       workspace=workspace, kernel=self.kernel, row_kv_lens=row_kv_lens, dcp=dcp, **kwargs)
+                       workspace=workspace, kernel=self.kernel, row_kv_lens=row_kv_lens, dcp=dcp, q_scale=q_scale,
+                       kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
             return out, lse
         q_len = num_rows // batch
         for start in range(0, batch, workspace.max_batch):
@@ -446,7 +463,7 @@ class DecodeRunner:
                        out=out[rows], lse=lse[rows], workspace=workspace, kernel=self.kernel,
                        row_kv_lens=row_kv_lens[part] if row_kv_lens is not None else None,
                        dcp=dataclasses.replace(dcp, global_seq_lens=dcp.global_seq_lens[part]) if dcp is not None
-                       else None, **kwargs)
+                       else None, q_scale=q_scale, kv_scale=kv_scale, max_seq_len=max_seq_len, step=step)
         return out, lse
 
     @staticmethod

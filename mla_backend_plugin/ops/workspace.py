@@ -85,8 +85,15 @@ class MLAWorkspace:
             plan_rows = registry.plan_rows_for(num_heads, self.device)
         self.plan_rows = tuple(sorted({int(r) for r in plan_rows}))
         self._plans: dict[tuple, SplitPlan] = {}
-        # mla_decode's decisions (kernel spec, launch config, this workspace) per call signature (ops/api.py)
+        # mla_decode's checked call forms and decisions (kernel spec, launch config, this workspace) per call
+        # fingerprint (ops/api.py)
         self.decisions: dict[tuple, tuple] = {}
+        # plan_for's plans per (batch, q_len, tile, config): what its check found once (the buffers never change)
+        self._checked_plans: dict[tuple, SplitPlan] = {}
+        # output_views' views per (token count, inference mode), made once: a tensor view costs an eager call
+        # (once per layer) about a microsecond of host time, and views made in inference mode may not be
+        # modified in place outside it
+        self._output_views: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         # Worst case over every batch size, q_len, tile and both plans this workspace serves: the uniform plan
         # splits less as the batch grows, so batch * splits peaks somewhere in the middle; the balanced plan
         # needs at most max_slots (< 2 W) slots of q_len * H rows whatever the batch.
@@ -141,13 +148,19 @@ class MLAWorkspace:
         return self.plan_rows[0]
 
     def output_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the owned output buffers for ``num_tokens`` query tokens (no allocation)."""
+        """Views of the owned output buffers for ``num_tokens`` query tokens (no allocation; the same view objects
+        for every call of a token count)."""
+        key = (num_tokens, torch.is_inference_mode_enabled())
+        views = self._output_views.get(key)
+        if views is not None:
+            return views
         if self.out_buffer is None:
             raise ValueError("this workspace was made without out_dtype, so it owns no output buffers")
         if num_tokens > self.out_buffer.shape[0]:
             raise ValueError(f"{num_tokens} query tokens exceed the workspace's max_batch * max_q_len = "
                              f"{self.out_buffer.shape[0]}")
-        return self.out_buffer[:num_tokens], self.lse_buffer[:num_tokens]
+        views = self._output_views[key] = (self.out_buffer[:num_tokens], self.lse_buffer[:num_tokens])
+        return views
 
     def plan(self, batch: int, q_len: int, balanced: bool = False, rows_per_cta: int | None = None,
              max_splits: int | None = None, min_chunk: int | None = None,
@@ -196,12 +209,19 @@ class MLAWorkspace:
 
     def plan_for(self, args, tile, config) -> SplitPlan:
         """The plan a kernel with ``tile`` (PlanTile) runs ``args`` on under ``config`` (LaunchConfig), after
-        checking the buffers hold it; a config asking for more than the workspace was made for is refused."""
+        checking the buffers hold it; a config asking for more than the workspace was made for is refused. Each
+        (batch, q_len, tile, config) is checked once: the answer depends on nothing else."""
+        key = (args.batch, args.q_len, tile, config)
+        plan = self._checked_plans.get(key)
+        if plan is not None:
+            return plan
         why = self.refusal(args.batch, args.q_len, tile, config)
         if why is not None:
             raise ValueError(f"mla_decode: {why}")
-        return self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta, config.max_splits,
-                         config.min_chunk, config.device_plan, config.long_splits)
+        plan = self._checked_plans[key] = self.plan(args.batch, args.q_len, config.balanced, tile.rows_per_cta,
+                                                    config.max_splits, config.min_chunk, config.device_plan,
+                                                    config.long_splits)
+        return plan
 
     def partials_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The partial outputs as rows of ``dtype`` (float32, or a 16-bit output dtype: the same bytes hold
