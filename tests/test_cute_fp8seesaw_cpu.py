@@ -133,7 +133,7 @@ def test_permutations_are_bijections_and_ldmatrix_is_conflict_free():
                 assert len(units) == 8
 
 
-def test_design_c_only_by_name_and_with_an_fp8_q():
+def test_design_c_with_an_fp8_q_only_and_prebuilt():
     from mla_backend_plugin.kernels.cute_sm90 import build, launch
     from mla_backend_plugin.ops.manifest import LaunchConfig
 
@@ -141,8 +141,11 @@ def test_design_c_only_by_name_and_with_an_fp8_q():
         Variant("fp8", "bf16", "bf16", 128, 1, 64, False, True, fp8_mma=True, fp8_seesaw=True)
     v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
     assert v.name.endswith(" fp8seesaw") and build.kernel_class(v)[0] == "fp8seesaw"
-    assert not any(x.fp8_seesaw for x in build.serving_variants())
-    assert "fp8seesaw" in launch.UNTUNED_FP8_DESIGNS
+    # prebuilt for every shape design B has with an fp8 q (it is the default from batch 32)
+    seesaw = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens) for x in build.serving_variants() if x.fp8_seesaw}
+    fp8_q_b = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens) for x in build.serving_variants()
+               if x.fp8_mma and not x.fp8_seesaw and x.q_dtype == "fp8"}
+    assert seesaw == fp8_q_b and launch.FP8_SEESAW_MIN_BATCH == 32
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
 
 

@@ -4,8 +4,8 @@ docs/design/sm90_decode_budget.md sections 2, 3 and 7 (C2). An fp8 q and an fp8 
 (``fp8_design="fp8seesaw"``; not the default: it has not run on a GPU yet). What it shares:
 
 * the seesaw's pair schedule (kernel_seesaw.py): the left group (warp group 1) computes S_A = Q K_A^T over the whole
-  64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet at SCALE_A / SCALE_B
-  (``left_running_max``, ``right_running_max``) and both P tiles are in shared memory after P_FULL;
+  64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet through shared
+  memory (``left_running_max``, ``right_running_max``) and both P tiles are in shared memory after P_FULL;
 * design B's TMA producer (kernel_fp8mma.py ``issue_tma``, warp 0, boxes of min(block_size, 64) rows x 64 bytes,
   64-byte swizzle) and its fp8 Q load (``load_q``), and P as e4m3(256 P) (the 1/256 folds into 1/l).
 
@@ -19,14 +19,18 @@ a stage as soon as it has loaded its fragments (the wgmma reads registers), so 5
 (36 KB) and two 4 KB P^T tiles: sPA (P_A at m_A) and sP1 (P_B at m_B; Q's rope chunk, which both groups keep in
 registers).
 
-Per pair i: the left group writes P_A at its m_A, rescales its O^T to m_A and issues P_A V_A (before the max
-exchange, so it runs under the right group's softmax); the right group, after SCALE_A / SCALE_B, writes P_B at
-m_B, then computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per
-query row = per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after
-rescaling to m_B. The right group signals PA_FREE once its P_A V_A retired, before the left group overwrites sPA.
+Per pair i: the left group posts m_A (mbarrier ``m_a``: the right group waits for nothing else of it before
+P_FULL), computes and writes P_A at m_A, rescales its O^T to m_A and issues P_A V_A; the right group, once m_A is
+posted, posts m_B (``m_b``: the left group needs it only after its P_A V_A is issued), writes P_B at m_B, then
+computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per query row =
+per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after rescaling to
+m_B. The right group signals ``pa_free`` once its P_A V_A retired, before the left group overwrites sPA. The
+one-way signals are mbarriers completed by all 128 threads of the signalling group (named-barrier arrives made
+compute-sanitizer's racecheck report hazards across later CTA barriers).
 Each P V loads and issues one k-step (16 fragment registers) at a time, with a wait between the two: 32
 fragment registers next to O^T (128), S (32) and Q's rope (8) made ptxas serialise every wgmma (C7511) at 240
-registers. S of the next tile is issued under the last P V k-step.
+registers. Each group issues its next tile's S between its P_A V_A k-steps, so the S runs on the tensor pipe
+while the groups exchange maxima and write P, and is done when the next pair starts.
 
 Keys past the split's end (TMA loads whole page slices; NaN possible there) are masked in S and zeroed byte by
 byte in the V^T fragments. The accumulator's O^T rows are latent columns in the order ``latent_of_row``; the
@@ -128,6 +132,13 @@ def _st_e4m3x2(base, xor: int, imm: int, lo, hi, *, loc=None, ip=None):
 class KRings:
     full_k: MbarrierRing  # TMA landed the tile (expect-tx bytes)
     empty_k: MbarrierRing  # all 8 consumer warps are past their last read of the tile
+    # one-way signals between the consumer groups, a phase per pair (each completed by the 128 threads of the
+    # signalling group, each of which releases its own shared-memory writes; the other group waits for the pair's
+    # phase and only there): m_A posted (left -> right), m_B posted (right -> left), the right group's P_A V_A
+    # retired so sPA may be rewritten (right -> left). A group runs at most one pair ahead of the other (P_FULL).
+    m_a: MbarrierRing
+    m_b: MbarrierRing
+    pa_free: MbarrierRing
 
 
 class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
@@ -177,8 +188,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
         @cute.struct
         class SharedStorage:
-            # full[STAGES_C] (TMA bytes), then empty[STAGES_C] (8 consumer warps)
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C]
+            # full[STAGES_C] (TMA bytes), empty[STAGES_C] (8 consumer warps), then m_a, m_b, pa_free (KRings)
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 3]
             max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             alpha: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
@@ -222,10 +233,12 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         sMaxB = storage.max_b.get_tensor(cute.make_layout(2 * BLOCK_M))
         sAlpha = storage.alpha.get_tensor(cute.make_layout(4 * BLOCK_M))
         bars = storage.kv_mbar.data_ptr()
-        rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8))
+        rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8),
+                       m_a=MbarrierRing(bars + 2 * STAGES_C, 1, 128), m_b=MbarrierRing(bars + 2 * STAGES_C + 1, 1, 128),
+                       pa_free=MbarrierRing(bars + 2 * STAGES_C + 2, 1, 128))
         if tidx == 0:
-            rings.full_k.init()
-            rings.empty_k.init()
+            for ring in (rings.full_k, rings.empty_k, rings.m_a, rings.m_b, rings.pa_free):
+                ring.init()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if warp_idx == 0:
@@ -438,16 +451,16 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 if i == 0:  # (issued in the loop: an accumulator's first definition may not meet an open wgmma)
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 0)
                 # S_A (issued during the previous pair) and the previous P_B V_B: its P_B in sP1 is read until it
-                # retires, and the right group overwrites sP1 once SCALE_A below lets it go on
+                # retires, and the right group overwrites sP1 once m_a below lets it go on
                 warpgroup.wait_group(0)
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
                 # its P_B while this group computes P_A
-                cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.SCALE_A), number_of_threads=256)
+                rings.m_a.arrive(i)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 if i > 0:  # the right group has retired the previous P_A V_A
-                    cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
+                    rings.pa_free.wait_filled(i - 1)
                 # P_A at m_A: both groups' P_A V_A (the right group rescales its O around it)
                 self.store_p_t(acc_s, pa, alpha, False, warp, lane)
                 self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
@@ -457,7 +470,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane,
                                         kv_end - tile_start, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg,
                                         tSrK, 2 * i + 2, i + 1 < n_pairs)
-                consumer_sync(Sm90DecodeBarrier.SCALE_B)  # m_B <- the right group
+                rings.m_b.wait_filled(i)  # m_B <- the right group
                 self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
                 self.post_rows(sAlpha, LEFT_TO_B, tScS, alpha, lane)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
@@ -476,12 +489,11 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 1)
                 warpgroup.wait_group(0)  # S_B (issued during the previous pair) and the previous P_B V_B (its sP1)
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
-                consumer_sync(Sm90DecodeBarrier.SCALE_A)
+                rings.m_a.wait_filled(i)
                 self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b)
                 self.post_rows(sAlpha, RIGHT_TO_A, tScS, to_a, lane)
                 self.post_rows(sAlpha, RIGHT_TO_B, tScS, to_b, lane)
-                # m_B -> the left group (this group waits for it only at P_FULL)
-                cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.SCALE_B), number_of_threads=256)
+                rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 self.store_p_t(acc_s, p1, alpha, False, warp, lane)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
@@ -492,7 +504,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                                         tSrQreg, tSrK, 2 * i + 3, i + 1 < n_pairs)
                 warpgroup.wait_group(0)  # P_A V_A,right (and the next S_B)
                 if i + 1 < n_pairs:
-                    cute.arch.barrier_arrive(barrier_id=int(Sm90DecodeBarrier.PA_FREE), number_of_threads=256)
+                    rings.pa_free.arrive(i)
                 self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_B, lane)
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 1, warp, lane,
                                 kv_end - tile_start)

@@ -68,24 +68,30 @@ def unsupported_reason(args, cc) -> str | None:
 # above. At batch 1-2 each CTA has a few tiles and design B's fixed cost (q split into e4m3 hi + lo, a larger
 # kernel) outweighs its faster tiles: H100, B 1-2 x S 1k/8k x q_len 1/2, A took 19.4-46.9 us where B took
 # 27.7-50.7; from B=8 on B is faster (docs/perf/cute_sm90_fp8.md). An fp8 q has no
-# split to pay for: design B at every batch (B 1-2: 10-44% faster than A; same file).
+# split to pay for: design B below FP8_SEESAW_MIN_BATCH (B 1-2: 10-44% faster than A; same file).
 FP8_DEQUANT_MAX_BATCH = 2
 
 
-# fp8 designs only a caller's choice runs (fp8_design= / CUTE_MLA_FP8_DESIGN): never auto, the tuner or the prebuilt
-# serving variants until they have been measured (design C, kernel_fp8seesaw.py: not yet run on a GPU)
-UNTUNED_FP8_DESIGNS = ("fp8seesaw",)
+# fp8 caches with an fp8 q, CUTE_MLA_FP8_DESIGN=auto: design C ("fp8seesaw", kernel_fp8seesaw.py) from this batch
+# on, design B below. H100, 2026-11-28, standard fp8 grid (benchmarks/results/fp8seesaw_h100): C is 1.01-1.11x
+# FlashMLA fp8 at B >= 32 and S >= 4096 where B is 0.93-0.97x; C is the slower one where a CTA has few tiles (S = 1024
+# at any batch, 5-18%; B <= 8 below S = 32768). Under CUDA graphs the context is not known when the design is chosen,
+# so the batch decides; the tuner (configs) times both where it runs.
+FP8_SEESAW_MIN_BATCH = 32
 
 
 def fp8_design_for(args) -> str:
-    """CUTE_MLA_FP8_DESIGN for these arguments: ``auto`` resolved; ``fp8seesaw`` (design C takes an fp8 q only) is a
-    preference, so a 16-bit q runs design B under it (``mla_decode(fp8_design="fp8seesaw")`` with a 16-bit q is
-    refused by name instead)."""
+    """CUTE_MLA_FP8_DESIGN for these arguments: ``auto`` resolved by batch and q dtype; ``fp8seesaw`` (design C takes
+    an fp8 q only) is a preference, so a 16-bit q runs design B under it (``mla_decode(fp8_design="fp8seesaw")``
+    with a 16-bit q is refused by name instead)."""
     design = envs.CUTE_MLA_FP8_DESIGN
+    fp8_q = args.q_dtype == FP8_DTYPE
     if design == "auto":
-        small = args.batch <= FP8_DEQUANT_MAX_BATCH and args.q_dtype != FP8_DTYPE
-        design = "dequant" if small else "fp8mma"
-    elif design == "fp8seesaw" and args.q_dtype != FP8_DTYPE:
+        if fp8_q:
+            design = "fp8seesaw" if args.batch >= FP8_SEESAW_MIN_BATCH else "fp8mma"
+        else:
+            design = "dequant" if args.batch <= FP8_DEQUANT_MAX_BATCH else "fp8mma"
+    elif design == "fp8seesaw" and not fp8_q:
         design = "fp8mma"
     return design
 
@@ -101,18 +107,19 @@ def default_config(args, cc) -> LaunchConfig:
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then: the other fp8 design (fp8 caches), the other schedules (16-bit caches: seesaw32 is
-    faster where a CTA runs 8-32 tiles, docs/perf/cute_sm90_bf16.md; the lock step was faster at B=8 in an earlier
-    A/B), each also with a larger split cap. PDL stays as the default has it: a lone kernel times the same with it
-    on and off (docs/perf/method.md), and PDL-off variants are not prebuilt. All under the default's split plan
-    (the share plan is not a tuner candidate, docs/perf/split_plan.md) and combine: the combine kernel after a grid
-    that fits at once was slower or equal in every cell measured (docs/perf/combine.md: the fused combine 0.92x
-    time geomean, no cell above 1.010x)."""
+    """The default, then: the other fp8 designs (fp8 caches; design C with an fp8 q only), the other schedules
+    (16-bit caches: seesaw32 is faster where a CTA runs 8-32 tiles, docs/perf/cute_sm90_bf16.md; the lock step was
+    faster at B=8 in an earlier A/B), each also with a larger split cap. PDL stays as the default has it: a lone
+    kernel times the same with it on and off (docs/perf/method.md), and PDL-off variants are not prebuilt. All under
+    the default's split plan (the share plan is not a tuner candidate, docs/perf/split_plan.md) and combine: the
+    combine kernel after a grid that fits at once was slower or equal in every cell measured (docs/perf/combine.md:
+    the fused combine 0.92x time geomean, no cell above 1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
+        fp8_q = args.q_dtype == FP8_DTYPE
         out += [dataclasses.replace(first, fp8_design=d) for d in FP8_DESIGNS
-                if d != first.fp8_design and d not in UNTUNED_FP8_DESIGNS]
+                if d != first.fp8_design and (fp8_q or d != "fp8seesaw")]
     if first.schedule is not None:
         out += [dataclasses.replace(first, schedule=s) for s in SCHEDULES if s != first.schedule]
     out += [dataclasses.replace(c, max_splits=64) for c in list(out)]
