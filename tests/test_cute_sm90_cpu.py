@@ -60,24 +60,21 @@ def test_variant_key_covers_what_changes_the_binary():
 
 def test_fp8_design_by_batch_unless_named(monkeypatch):
     """CUTE_MLA_FP8_DESIGN=auto (the default): with a 16-bit q design A (dequant) up to batch
-    FP8_DEQUANT_MAX_BATCH, design B above; with an fp8 q design B below FP8_SEESAW_MIN_BATCH, design C from it; a
-    named design always wins (design C only for an fp8 q)."""
+    FP8_DEQUANT_MAX_BATCH, design B above; with an fp8 q design B always (design C is a tuner candidate); a named
+    design always wins (design C only for an fp8 q)."""
     monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
     small, large = (_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=b) for b in (launch.FP8_DEQUANT_MAX_BATCH,
                                                                                launch.FP8_DEQUANT_MAX_BATCH + 1))
     assert not variant_for(small).fp8_mma and variant_for(large).fp8_mma
     assert launch.default_config(small, (9, 0)).fp8_design == "dequant"
-    # an fp8 q has no hi + lo split to pay for: design B at small batches, design C from FP8_SEESAW_MIN_BATCH
+    # an fp8 q has no hi + lo split to pay for: design B at every batch (design C is a tuner candidate only)
+    for batch in (1, 64):
+        fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=batch)
+        assert variant_for(fp8_q).fp8_mma and not variant_for(fp8_q).fp8_seesaw
+        assert launch.default_config(fp8_q, (9, 0)).fp8_design == "fp8mma"
     small_fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=1)
-    assert variant_for(small_fp8_q).fp8_mma and launch.default_config(small_fp8_q, (9, 0)).fp8_design == "fp8mma"
-    below, at = (_args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=b)
-                 for b in (launch.FP8_SEESAW_MIN_BATCH - 1, launch.FP8_SEESAW_MIN_BATCH))
-    assert not variant_for(below).fp8_seesaw and variant_for(at).fp8_seesaw
-    assert launch.default_config(at, (9, 0)).fp8_design == "fp8seesaw"
-    assert not launch.default_config(_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=64), (9, 0)).fp8_design \
-        == "fp8seesaw"
     # the tuner times every design the q allows
-    assert {c.fp8_design for c in launch.configs(at, (9, 0))} == {"fp8seesaw", "fp8mma", "dequant"}
+    assert {c.fp8_design for c in launch.configs(fp8_q, (9, 0))} == {"fp8seesaw", "fp8mma", "dequant"}
     assert {c.fp8_design for c in launch.configs(large, (9, 0))} == {"fp8mma", "dequant"}
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fp8mma")
     assert variant_for(small).fp8_mma

@@ -83,8 +83,8 @@ def mla_decode(
             else the best verified kernel of the arch table), or a kernel name from ``available_kernels()``.
             The environment variable ``CUTE_MLA_KERNEL`` overrides ``"auto"``.
         enable_pdl: programmatic dependent launch (SM90+); None = the kernel's default (``CUTE_MLA_PDL``).
-        fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"``, ``"dequant"`` or ``"fp8seesaw"`` (fp8 q only; not
-            yet measured, never chosen automatically); None = ``CUTE_MLA_FP8_DESIGN``.
+        fp8_design: cute_sm90 with an fp8 cache: ``"fp8mma"``, ``"dequant"`` or ``"fp8seesaw"`` (fp8 q only; a
+            tuner candidate, not chosen by ``auto``); None = ``CUTE_MLA_FP8_DESIGN``.
             Kernels without the choice ignore it.
         config: a complete ``LaunchConfig`` (one of the kernel's ``configs()``, e.g. a tuner's choice); the
             two keywords above still override its fields. With ``kernel="auto"`` it applies to the arch table's

@@ -39,8 +39,8 @@ def serving_variants() -> list[Variant]:
     out += [Variant("fp8", "bf16", "bf16", h, q, 64, False, True, fp8_mma=False)
             for h, q in itertools.product((16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
-    # design C (fp8 wgmma on the seesaw, an fp8 q only), the default from batch 32 (launch.fp8_design_for): the
-    # shapes design B has with an fp8 q
+    # design C (fp8 wgmma on the seesaw, an fp8 q only), a tuner candidate (launch.configs): the shapes design B has
+    # with an fp8 q
     out += [Variant("fp8", "fp8", "bf16", h, q, 64, True, True, fp8_mma=True, fp8_seesaw=True)
             for h, q in itertools.product((16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("fp8", "fp8", "bf16", 128, 2, bs, True, True, fp8_mma=True, fp8_seesaw=True) for bs in (16, 128)]

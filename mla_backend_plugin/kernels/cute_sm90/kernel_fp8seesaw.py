@@ -1,7 +1,7 @@
 """fp8 "design C" of the CuTe-DSL SM90 MLA decode (sm_90a): fp8 wgmma on the seesaw schedule, O^T = V^T P^T.
 
 docs/design/sm90_decode_budget.md sections 2, 3 and 7 (C2). An fp8 q and an fp8 KV cache only
-(``fp8_design="fp8seesaw"``; not the default: it has not run on a GPU yet). What it shares:
+(``fp8_design="fp8seesaw"``: a tuner candidate, not `auto`'s choice; docs/perf/cute_sm90_fp8.md). What it shares:
 
 * the seesaw's pair schedule (kernel_seesaw.py): the left group (warp group 1) computes S_A = Q K_A^T over the whole
   64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet through shared
