@@ -141,11 +141,9 @@ def test_design_c_with_an_fp8_q_only_and_prebuilt():
         Variant("fp8", "bf16", "bf16", 128, 1, 64, False, True, fp8_mma=True, fp8_seesaw=True)
     v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
     assert v.name.endswith(" fp8seesaw") and build.kernel_class(v)[0] == "fp8seesaw"
-    # prebuilt for every shape design B has with an fp8 q (a tuner candidate: a wheel without the DSL can run it)
+    # prebuilt (a tuner candidate: a wheel without the DSL can run it) at every head count, q_len 1-2, 64-token pages
     seesaw = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens) for x in build.serving_variants() if x.fp8_seesaw}
-    fp8_q_b = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens) for x in build.serving_variants()
-               if x.fp8_mma and not x.fp8_seesaw and x.q_dtype == "fp8"}
-    assert seesaw == fp8_q_b
+    assert seesaw == {(h, q, 64, False) for h in (16, 32, 64, 128) for q in (1, 2)}
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
 
 
