@@ -141,9 +141,9 @@ def test_design_c_with_an_fp8_q_only_and_prebuilt():
         Variant("fp8", "bf16", "bf16", 128, 1, 64, False, True, fp8_mma=True, fp8_seesaw=True)
     v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
     assert v.name.endswith(" fp8seesaw") and build.kernel_class(v)[0] == "fp8seesaw"
-    # prebuilt (a tuner candidate: a wheel without the DSL can run it) at every head count, q_len 1-2, 64-token pages
+    # one prebuilt shape (its kernel class in CI's compile under both DSL versions); the rest compile on first use
     seesaw = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens) for x in build.serving_variants() if x.fp8_seesaw}
-    assert seesaw == {(h, q, 64, False) for h in (16, 32, 64, 128) for q in (1, 2)}
+    assert seesaw == {(128, 1, 64, False)}
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
 
 
