@@ -169,7 +169,12 @@ def _split_q(q) -> tuple[torch.Tensor, torch.Tensor]:
                    f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if q.dtype not in Q_DTYPES + (FP8_DTYPE,):
         fail("q", f"dtype {q.dtype} is not supported; allowed: {dtype_names(Q_DTYPES + (FP8_DTYPE,))}")
-    return q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+    return _q_parts(q)
+
+
+def _q_parts(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_nope and q_pe as views of one [T, H, 576] q."""
+    return q.split_with_sizes((KV_LORA_RANK, QK_ROPE_HEAD_DIM), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +208,7 @@ def bind(form: CallForm, q, kv_cache, block_table, seq_lens, softmax_scale, q_sc
          row_kv_lens, need_lse, dcp) -> DecodeArgs:
     """The ``DecodeArgs`` of a call whose inputs ``check_call`` found valid with ``form`` (no check here): q split,
     the cache squeezed, scales in their normal form, out / lse allocated when not given."""
-    q_nope, q_pe = q if form.pair else q.split_with_sizes((KV_LORA_RANK, QK_ROPE_HEAD_DIM), -1)
+    q_nope, q_pe = q if form.pair else _q_parts(q)
     if form.squeeze:
         kv_cache = kv_cache.squeeze(2)
     num_tokens = form.batch * form.q_len

@@ -30,8 +30,6 @@ class Sm90DecodeBarrier(enum.IntEnum):
     # fp8 design C (kernels/cute_sm90/kernel_fp8seesaw.py): the left group's 128 threads wrote P_A and their row
     # factors -> its own P V reads them (128 threads)
     LEFT_P = 5
-    # the right group (bar.arrive) retired its P_A V_A -> the left group (bar.sync) may overwrite P_A (256 threads)
-    PA_FREE = 6
 
 
 class Sm100DecodeBarrier(enum.IntEnum):

@@ -64,7 +64,6 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     REGS_CONSUMER_C,
     REGS_PRODUCER_C,
     STAGES_C,
-    Variant,
 )
 from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
     CHUNK_BYTES,
@@ -149,12 +148,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     right_running_max = Sm90MlaDecodeSeesaw.right_running_max
     left_factor_to_right_max = Sm90MlaDecodeSeesaw.left_factor_to_right_max
     exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
-
-    def __init__(self, variant: Variant, use_pdl: bool = True):
-        super().__init__(variant, use_pdl)
-        if variant.q_dtype != "fp8":
-            raise ValueError(f"fp8_design='fp8seesaw' needs an fp8 q; got q_dtype={variant.q_dtype!r} (allowed: fp8; "
-                             "a 16-bit q: fp8_design='fp8mma' or 'dequant')")
 
     # ------------------------------------------------------------------------------------------------
     # host side

@@ -74,7 +74,7 @@ FP8_DEQUANT_MAX_BATCH = 2
 
 # Design C ("fp8seesaw", kernel_fp8seesaw.py, an fp8 q only) is a tuner candidate (configs) and a caller's choice,
 # not yet `auto`'s. H100, 2026-11-28, standard fp8 grid (benchmarks/results/fp8seesaw_h100): C is 1.00-1.09x FlashMLA
-# fp8 at B >= 32 and S >= 4096 where design B is 0.93-0.97x, and the slower design where a CTA has few tiles (S = 1024
+# fp8 at B >= 32 and S >= 4096 where design B is 0.93-1.03x, and the slower design where a CTA has few tiles (S = 1024
 # at any batch, B <= 8 below S = 32768). It would be the default from batch 32, but compute-sanitizer's racecheck
 # reports hazards in its epilogue that no test output shows and no reading of the code explains
 # (docs/perf/cute_sm90_fp8.md); until they are explained, `auto` keeps design B.
