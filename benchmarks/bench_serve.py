@@ -51,6 +51,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 OFFLINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2: the model config's bos (0) and eos (1)
+LONGEST_WORD = 32  # characters of the last id's word: vLLM's characters-per-token bound (write_tokenizer)
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 8}  # bench_e2e.py's n-gram settings
 
 # rows.csv columns: the key of a row first (what a re-run compares), then the metrics
@@ -79,7 +80,12 @@ def write_tokenizer(model_dir: Path, vocab_size: int, model_max_length: int) -> 
     """A word-level tokenizer over ``vocab_size`` ids: ``<s>``, ``</s>``, ``<unk>`` (ids 0-2, special), then one
     word ``t<id>`` per id, split on whitespace and joined with spaces, so any id sequence without special ids
     decodes and re-encodes to itself. Saved as tokenizer.json + tokenizer_config.json (transformers'
-    AutoTokenizer and vLLM's get_tokenizer load it as a fast tokenizer)."""
+    AutoTokenizer and vLLM's get_tokenizer load it as a fast tokenizer).
+
+    The last id's word is padded to ``LONGEST_WORD`` characters: before tokenising, vLLM's server refuses (400) a
+    prompt of more characters than its input-token limit times the vocabulary's longest entry. With words of at
+    most 6 characters a 2048-token prompt of 5-digit words (7 characters with its space) failed that bound at a
+    2560-token model length: 47 of 128 random prompts were refused in the first GPU run."""
     from tokenizers import AddedToken, Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -87,7 +93,8 @@ def write_tokenizer(model_dir: Path, vocab_size: int, model_max_length: int) -> 
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size}: the tokenizer needs more than {len(SPECIAL_TOKENS)} ids")
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update((f"t{i}", i) for i in range(len(SPECIAL_TOKENS), vocab_size))
+    vocab.update((f"t{i}", i) for i in range(len(SPECIAL_TOKENS), vocab_size - 1))
+    vocab[f"t{vocab_size - 1}".ljust(LONGEST_WORD, "x")] = vocab_size - 1
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])

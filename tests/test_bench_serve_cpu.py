@@ -182,6 +182,13 @@ def _vllm_check(out_dir: str) -> None:
     requests = RandomDataset(random_seed=0).sample(tokenizer, 3, input_len=2048, output_len=256, range_ratio=0.0)
     assert [r.prompt_len for r in requests] == [2048] * 3
     assert [len(tokenizer.encode(r.prompt)) for r in requests] == [2048] * 3
+    # vLLM's server refuses, before tokenising, a prompt longer in characters than its input-token limit times
+    # the longest vocabulary entry (renderers/params.py _text_len_check): every shape's longest prompt (5-digit
+    # words) passes at the model length the servers get
+    for input_len, output_len in bench.parse_shapes("2048x256,8192x512", ["inf"]):
+        max_input_tokens = bench.max_model_len([(input_len, output_len)]) - output_len
+        prompt = " ".join(f"t{tokenizer.vocab_size - 2 - i}" for i in range(input_len))
+        assert len(prompt) <= max_input_tokens * tokenizer.max_chars_per_token, (input_len, output_len)
     print("PASS")
 
 
