@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -148,6 +150,79 @@ def combine_balanced_kernel(
         tl.store(lse_ptr + tok * stride_lse_t + h * stride_lse_h, lse)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Launching a combine kernel again without Triton's per-launch Python
+# ------------------------------------------------------------------------------------------------------------
+# ``kernel[grid](...)`` re-derives on every launch what a decode call of one shape never changes: the binder and
+# its argument specialisation, the cache key, the launch metadata (~40% of an eager decode call's host time under
+# cProfile on an H100 host: benchmarks/results/host/h100_2026-11-28). A launch whose specialisation key (below)
+# was launched before calls that compiled kernel's launcher directly, with the same arguments in the same order.
+# The key holds everything Triton specialises on: each tensor's dtype and 16-byte alignment, each int's value,
+# each float's type, the constexprs, the grid, the warps, PDL and the device. Only where Triton's launch hooks are
+# unset (a profiler's hooks get the ordinary path) and for the Triton versions whose launcher convention this was
+# written against (the ordinary path elsewhere).
+PREPARED_TRITON_VERSIONS = ((3, 4), (3, 5), (3, 6))
+_PREPARED: dict = {}
+_PREPARED_MAX = 256
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = (triton.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _hooks_unset() -> bool:
+    """Triton's launch hooks: None (older versions) or an empty HookChain (3.6)."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def _stream_getter():
+    """The current-stream query of Triton's own launch path."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:
+        return int, a
+    return type(a)
+
+
+def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, use_pdl: bool) -> str:
+    """Launch Triton kernel ``fn`` on ``grid`` with positional ``args`` (its non-constexpr parameters, in order)
+    and ``constexprs`` (keywords); the launch path taken: ``"prepared"`` (a specialisation launched before:
+    straight to its launcher) or ``"triton"`` (``fn[grid](...)``, which also prepares the next launch)."""
+    device = torch.cuda.current_device()
+    key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), tuple(_arg_key(a) for a in args))
+    prepared = _PREPARED.get(key)
+    if prepared is not None and _hooks_unset():
+        compiled, tail, get_stream = prepared
+        compiled.run(*grid, get_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *tail)
+        return "prepared"
+    extra = {"launch_pdl": True} if use_pdl else {}
+    compiled = fn[grid](*args, **constexprs, num_warps=num_warps, **extra)
+    if _triton_version() in PREPARED_TRITON_VERSIONS and len(grid) == 3 and all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        # the launcher takes every parameter in signature order, constexprs (with their defaults) included
+        names = list(fn.arg_names)
+        bound = {**{p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty},
+                 **constexprs}
+        tail = tuple(bound[n] for n in names[len(args):])
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        _PREPARED[key] = (compiled, tail, _stream_getter())
+    return "triton"
+
+
 def scale_args(scale):
     """(pointer or None, float, is_pointer): a device scalar is read in the kernel (no host sync)."""
     if isinstance(scale, torch.Tensor):
@@ -156,7 +231,7 @@ def scale_args(scale):
 
 
 def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
-                   partial_dtype: torch.dtype = torch.float32) -> None:
+                   partial_dtype: torch.dtype = torch.float32) -> str | None:
     """Merge the split partials of ``workspace`` (rows of ``partial_dtype``, as the split kernel stored them:
     ``Workspace.partials_as``) into args.out / args.lse, for every split kernel that writes the workspace layout
     of ``plan`` (the plan the split kernel ran):
@@ -167,30 +242,28 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
       ``workspace.split_index`` as the split kernel wrote it (ops/plan.py ``balanced_schedule``).
 
     ``use_pdl`` launches it as a programmatic dependent of the split kernel (it waits with griddepcontrol).
+    Returns the launch path (``prepared_launch``), or None when there is nothing to merge.
     """
     kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
     kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
     out, lse = args.out, args.lse
-    extra = {"launch_pdl": True} if use_pdl else {}
     if plan.balanced and plan.max_split_requests == 0:
         return
     partials = workspace.partials_as(partial_dtype)
+    strides = (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     if plan.balanced:
         rows = args.q_len * args.num_heads
-        combine_balanced_kernel[(rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks)](
-            out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr,
-            kv_scale_val, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
-            D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.request_split_limit),
-            USE_PDL=use_pdl, D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block,
-            num_warps=4, **extra,
-        )
-        return
-    combine_uniform_kernel[(args.batch, args.q_len * args.num_heads)](
-        out, lse, partials, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val,
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n,
-        NUM_SPLITS=plan.num_splits, MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr,
-        D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl,
-        num_warps=4, **extra,
-    )
+        return prepared_launch(
+            combine_balanced_kernel, (rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks),
+            (out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr, kv_scale_val, *strides),
+            dict(NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
+                 D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.request_split_limit), USE_PDL=use_pdl,
+                 D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block),
+            4, use_pdl)
+    return prepared_launch(
+        combine_uniform_kernel, (args.batch, args.q_len * args.num_heads, 1),
+        (out, lse, partials, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val, *strides),
+        dict(NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n, NUM_SPLITS=plan.num_splits,
+             MIN_CHUNK=plan.min_chunk, KV_SCALE_IS_PTR=kv_is_ptr, D_NOPE=KV_LORA_RANK,
+             SPLITS_P2=triton.next_power_of_2(plan.num_splits), USE_PDL=use_pdl),
+        4, use_pdl)

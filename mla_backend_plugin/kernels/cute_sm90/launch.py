@@ -260,21 +260,35 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     return config if cap is None and long_cap is None else _with_split_caps(config, cap, long_cap)
 
 
+def prepared_launch(args, workspace, config: LaunchConfig) -> tuple:
+    """(compiled function, the config it runs, its plan, whether the combine is fused, the scale tensors' stand-in)
+    of ``launch(args, workspace, config)``: functions of what the key below holds, so they are worked out once per
+    key and kept in the workspace (an engine's eager calls repeat one shape per layer and step)."""
+    key = ("cute_sm90.launch", config, args.batch, args.q_len, args.num_heads, args.kv_cache.shape[1],
+           args.kv_cache.dtype, args.q_nope.dtype, args.out.dtype, type(args.q_scale), type(args.kv_scale),
+           args.row_kv_lens is None, schedule_for(args, config), args.q_nope.device.index)
+    prepared = workspace.decisions.get(key)
+    if prepared is None:
+        fn = _compiled(variant_for(args, config), config.enable_pdl)
+        run_config = wave_filling_config(args, workspace, config)
+        # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
+        # workspace's limit) < 2^16
+        plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), run_config)
+        fused = fuses_combine(args, plan, run_config.fused_combine)
+        prepared = workspace.decisions[key] = (fn, run_config, plan, fused, workspace.partial_lse[:1])
+    return prepared
+
+
 def launch(args, workspace, config: LaunchConfig) -> None:
     from mla_backend_plugin.kernels.combine.kernel import launch_combine
 
     if not config.balanced:
         raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
                          "(the kernel's device schedules)")
-    fn = _compiled(variant_for(args, config), config.enable_pdl)
-    config = wave_filling_config(args, workspace, config)
-    # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
-    # workspace's limit) < 2^16
-    plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), config)
-    q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, workspace.partial_lse[:1])
+    fn, config, plan, fused, dummy = prepared_launch(args, workspace, config)
+    q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, dummy)
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
-    fused = fuses_combine(args, plan, config.fused_combine)
     if step_needs_plan(args.step, workspace, args.seq_lens, (BLOCK_N, plan)):
         # the step's work items and the combine's split list, once per step (every call without a step)
         _compiled(STEP_PLAN, config.enable_pdl)(args.seq_lens, workspace.split_index, workspace.work_items,

@@ -1,0 +1,62 @@
+"""GPU tests of the host fast paths of an eager decode call: a repeated call of one shape reuses what the first
+worked out (cute_sm90's prepared launch, kernels/cute_sm90/launch.py) and launches the Triton combine straight
+through its compiled launcher (kernels/combine/kernel.py ``prepared_launch``). Each call's outputs, poisoned
+before it, against the float32 reference; then the same calls captured in a CUDA graph after those eager calls
+(the prepared launch must land on the capturing stream) and replayed with new lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_backend_plugin.kernels.combine import kernel as combine
+from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+from mla_backend_plugin.ops.constants import FP8_DTYPE
+from mla_backend_plugin.testing import assert_close_decode, capture_graph, kernel_unsupported_reason, make_decode_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kernel", ["cute_sm90", "triton"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_repeat_eager_calls_take_the_prepared_combine_launch(kernel, kv_dtype, monkeypatch):
+    reason = kernel_unsupported_reason(kernel)
+    if reason is not None:
+        pytest.skip(f"{kernel}: {reason}")
+    monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")  # cute_sm90: the separate combine after every split grid
+    paths = []
+    real = combine.prepared_launch
+    monkeypatch.setattr(combine, "prepared_launch", lambda *a, **k: paths.append(real(*a, **k)) or paths[-1])
+    fp8 = kv_dtype == FP8_DTYPE
+    lens = [2000, 1537, 777]
+    sizes = dict(num_blocks=160, max_blocks=40)  # one cache and table shape for both input sets
+    inp = make_decode_inputs(3, lens, 1, 128, 64, kv_dtype, "pair", "cuda", 21, kv_scale=2.5 if fp8 else None,
+                             **sizes)
+    ws = MLAWorkspace("cuda", max_batch=3, max_q_len=1, num_heads=128)
+    ref_out, ref_lse = inp.reference()
+    for i in range(3):
+        out, lse = inp.poisoned_outputs()
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel=kernel,
+                   workspace=ws, **inp.scale_kwargs(i == 2))  # the last call: the scale as a device tensor
+        torch.cuda.synchronize()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"{kernel} call {i}")
+    # the first call of each specialisation goes through Triton, every repeat straight to the launcher; a scale
+    # given as a tensor is another specialisation
+    assert paths[:3] == [paths[0], "prepared", paths[2]] and paths[0] in ("triton", "prepared"), paths
+
+    # a CUDA graph of the same call after eager ones, replayed with other lengths
+    out, lse = inp.poisoned_outputs()
+    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                                               kernel=kernel, workspace=ws, **inp.scale_kwargs()))
+    assert paths[-1] == "prepared", paths
+    new = make_decode_inputs(3, [1999, 64, 1200], 1, 128, 64, kv_dtype, "pair", "cuda", 22,
+                             kv_scale=2.5 if fp8 else None, **sizes)
+    for dst, src in zip((*inp.q, inp.kv_cache, inp.block_table, inp.seq_lens),
+                        (*new.q, new.kv_cache, new.block_table, new.seq_lens)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = new.reference()
+    assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"{kernel} graph replay")
