@@ -129,8 +129,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma; a 16-bit q as e4m3 hi + lo, an fp8 q as it "
            "is), `dequant` (widen the cache to 16 bits; more accurate, and with a 16-bit q faster at batch 1-2 "
            "where each CTA has few tiles), `fp8seesaw` (design C, fp8 wgmma on the seesaw schedule, for an fp8 q; "
-           "a 16-bit q runs `fp8mma` under it; a tuner candidate, not chosen by `auto`) or `auto` (`fp8mma`, "
-           "except `dequant` up to batch 2 with a 16-bit q). Default of `mla_decode(fp8_design=None)`.",
+           "a 16-bit q runs `fp8mma` under it) or `auto` (an fp8 q: `fp8seesaw` from batch 32, `fp8mma` below; "
+           "a 16-bit q: `dequant` up to batch 2, `fp8mma` above). Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("auto", "fp8mma", "dequant", "fp8seesaw")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
            "cute_sm90 with a 16-bit KV cache, the schedule of its default config (`LaunchConfig.schedule`; the "
@@ -152,6 +152,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90, the default of `LaunchConfig.fused_combine`: when a split-KV grid fits on the GPU at once "
            "(small batches), merge the splits inside the split kernel (one launch) instead of a second combine "
            "kernel; `0` always launches the combine kernel.", kind="bool"),
+    EnvVar("CUTE_MLA_PREPARED_COMBINE", False,
+           "Launch a repeated split-KV combine (same shapes, strides, alignment and constants as an earlier launch) "
+           "straight through the compiled Triton kernel's launcher, skipping Triton's per-launch Python (~40% of an "
+           "eager decode call's host time under cProfile on an H100 host). Off by default: not yet run on a GPU "
+           "(tests/test_host_path_gpu.py).", kind="bool"),
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),

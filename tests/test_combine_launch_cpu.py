@@ -50,7 +50,8 @@ class FakeJit:
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(combine, "_PREPARED", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUTE_MLA_PREPARED_COMBINE", "1")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # CPU tensors stand in for device ones
     monkeypatch.setattr(combine, "_stream_getter", lambda: (lambda device: f"stream{device}"))
     monkeypatch.setattr(combine, "_triton_version", lambda: (3, 6))
     return FakeJit()
@@ -63,7 +64,7 @@ def test_second_launch_goes_to_the_compiled_launcher(fake):
     x2, y2 = torch.ones(64), torch.ones(64, dtype=torch.bfloat16)  # new tensors, same dtypes and alignment
     assert combine.prepared_launch(fake, (2, 3, 1), (x2, y2, 512), {"A": 5}, 4, True) == "prepared"
     # grid, stream, handle, metadata, no launch metadata or hooks, the arguments, the constexprs with defaults
-    assert fake.log[-1] == ("run", (2, 3, 1, "stream0", "fn-handle", "meta", None, None, None, x2, y2, 512, 5, 7))
+    assert fake.log[-1] == ("run", (2, 3, 1, "streamNone", "fn-handle", "meta", None, None, None, x2, y2, 512, 5, 7))
 
 
 @pytest.mark.parametrize("change", ["int", "alignment", "dtype", "constexpr", "grid", "pdl"])
@@ -113,3 +114,15 @@ def test_hooks_unset_reads_tritons_hook_chains():
     finally:
         chain.remove(hook)
     assert combine._hooks_unset()
+
+
+def test_off_by_default_and_on_cpu_tensors(fake, monkeypatch):
+    """Opt-in (CUTE_MLA_PREPARED_COMBINE) until it has run on a GPU; tensors off the GPU (Triton's CPU
+    interpreter) always take the ordinary path."""
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    launch = lambda: combine.prepared_launch(fake, (1, 1, 1), (x, y, 16), {"A": 1}, 4, False)  # noqa: E731
+    monkeypatch.delenv("CUTE_MLA_PREPARED_COMBINE")
+    assert [launch(), launch()] == ["triton", "triton"] and not combine._PREPARED
+    monkeypatch.setenv("CUTE_MLA_PREPARED_COMBINE", "1")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: False))
+    assert [launch(), launch()] == ["triton", "triton"] and not combine._PREPARED

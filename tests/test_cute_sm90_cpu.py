@@ -60,18 +60,18 @@ def test_variant_key_covers_what_changes_the_binary():
 
 def test_fp8_design_by_batch_unless_named(monkeypatch):
     """CUTE_MLA_FP8_DESIGN=auto (the default): with a 16-bit q design A (dequant) up to batch
-    FP8_DEQUANT_MAX_BATCH, design B above; with an fp8 q design B always (design C is a tuner candidate); a named
-    design always wins (design C only for an fp8 q)."""
+    FP8_DEQUANT_MAX_BATCH, design B above; with an fp8 q design B below FP8_SEESAW_MIN_BATCH, design C from it; a
+    named design always wins (design C only for an fp8 q)."""
     monkeypatch.delenv("CUTE_MLA_FP8_DESIGN", raising=False)
     small, large = (_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, batch=b) for b in (launch.FP8_DEQUANT_MAX_BATCH,
                                                                                launch.FP8_DEQUANT_MAX_BATCH + 1))
     assert not variant_for(small).fp8_mma and variant_for(large).fp8_mma
     assert launch.default_config(small, (9, 0)).fp8_design == "dequant"
-    # an fp8 q has no hi + lo split to pay for: design B at every batch (design C is a tuner candidate only)
-    for batch in (1, 64):
+    # an fp8 q has no hi + lo split to pay for: never design A; design C from batch 32
+    for batch, design in ((1, "fp8mma"), (31, "fp8mma"), (32, "fp8seesaw"), (64, "fp8seesaw")):
         fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=batch)
-        assert variant_for(fp8_q).fp8_mma and not variant_for(fp8_q).fp8_seesaw
-        assert launch.default_config(fp8_q, (9, 0)).fp8_design == "fp8mma"
+        assert variant_for(fp8_q).fp8_mma and variant_for(fp8_q).fp8_seesaw == (design == "fp8seesaw")
+        assert launch.default_config(fp8_q, (9, 0)).fp8_design == design
     small_fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=1)
     # the tuner times every design the q allows
     assert {c.fp8_design for c in launch.configs(fp8_q, (9, 0))} == {"fp8seesaw", "fp8mma", "dequant"}

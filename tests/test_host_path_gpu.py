@@ -24,6 +24,7 @@ def test_repeat_eager_calls_take_the_prepared_combine_launch(kernel, kv_dtype, m
     if reason is not None:
         pytest.skip(f"{kernel}: {reason}")
     monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")  # cute_sm90: the separate combine after every split grid
+    monkeypatch.setenv("CUTE_MLA_PREPARED_COMBINE", "1")
     paths = []
     real = combine.prepared_launch
     monkeypatch.setattr(combine, "prepared_launch", lambda *a, **k: paths.append(real(*a, **k)) or paths[-1])

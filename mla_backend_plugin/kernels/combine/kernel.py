@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from mla_backend_plugin import envs
 from mla_backend_plugin.ops.constants import KV_LORA_RANK
 
 
@@ -160,7 +161,7 @@ def combine_balanced_kernel(
 # The key holds everything Triton specialises on: each tensor's dtype and 16-byte alignment, each int's value,
 # each float's type, the constexprs, the grid, the warps, PDL and the device. Only where Triton's launch hooks are
 # unset (a profiler's hooks get the ordinary path) and for the Triton versions whose launcher convention this was
-# written against (the ordinary path elsewhere).
+# written against (the ordinary path elsewhere). Opt-in (CUTE_MLA_PREPARED_COMBINE=1) until it has run on a GPU.
 PREPARED_TRITON_VERSIONS = ((3, 4), (3, 5), (3, 6))
 _PREPARED: dict = {}
 _PREPARED_MAX = 256
@@ -200,7 +201,11 @@ def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: i
     """Launch Triton kernel ``fn`` on ``grid`` with positional ``args`` (its non-constexpr parameters, in order)
     and ``constexprs`` (keywords); the launch path taken: ``"prepared"`` (a specialisation launched before:
     straight to its launcher) or ``"triton"`` (``fn[grid](...)``, which also prepares the next launch)."""
-    device = torch.cuda.current_device()
+    extra = {"launch_pdl": True} if use_pdl else {}
+    if not (envs.CUTE_MLA_PREPARED_COMBINE and args[0].is_cuda):  # (Triton's CPU interpreter: the ordinary path)
+        fn[grid](*args, **constexprs, num_warps=num_warps, **extra)
+        return "triton"
+    device = args[0].device.index
     key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), tuple(_arg_key(a) for a in args))
     prepared = _PREPARED.get(key)
     if prepared is not None and _hooks_unset():
@@ -208,7 +213,6 @@ def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: i
         compiled.run(*grid, get_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *tail)
         return "prepared"
-    extra = {"launch_pdl": True} if use_pdl else {}
     compiled = fn[grid](*args, **constexprs, num_warps=num_warps, **extra)
     if _triton_version() in PREPARED_TRITON_VERSIONS and len(grid) == 3 and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):

@@ -27,9 +27,6 @@ class Sm90DecodeBarrier(enum.IntEnum):
     SCALE_A = 2  # left group posted tile A's running row maxima -> right group
     SCALE_B = 3  # right group posted tile B's (the pair's final) row maxima -> left group
     P_FULL = 4  # left wrote P_A (rescaled to tile B's maxima) to sP0, right wrote P_B to sP1 -> the SS P V
-    # fp8 design C (kernels/cute_sm90/kernel_fp8seesaw.py): the left group's 128 threads wrote P_A and their row
-    # factors -> its own P V reads them (128 threads)
-    LEFT_P = 5
 
 
 class Sm100DecodeBarrier(enum.IntEnum):

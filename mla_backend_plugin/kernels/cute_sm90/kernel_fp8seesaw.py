@@ -25,8 +25,12 @@ posted, posts m_B (``m_b``: the left group needs it only after its P_A V_A is is
 computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per query row =
 per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after rescaling to
 m_B. The right group signals ``pa_free`` once its P_A V_A retired, before the left group overwrites sPA. The
-one-way signals are mbarriers completed by all 128 threads of the signalling group (named-barrier arrives made
-compute-sanitizer's racecheck report hazards across later CTA barriers).
+one-way signals are mbarriers completed by all 128 threads of the signalling group, and so is the left group's
+own meeting before its P_A V_A (``left_p``): with named barriers of 128 threads for either (``bar.arrive`` /
+``bar.sync``, a second thread count beside the consumers' 256), compute-sanitizer's racecheck reported hazards
+across every later 256-thread consumer barrier of the epilogue, which no output ever showed and the bf16 seesaw and
+design B (256-thread named barriers only) never got; with mbarriers it reports none (H100, 2026-11-28,
+benchmarks/results/fp8seesaw_h100/racecheck).
 Each P V loads and issues one k-step (16 fragment registers) at a time, with a wait between the two: 32
 fragment registers next to O^T (128), S (32) and Q's rope (8) made ptxas serialise every wgmma (C7511) at 240
 registers. Each group issues its next tile's S between its P_A V_A k-steps, so the S runs on the tensor pipe
@@ -138,6 +142,7 @@ class KRings:
     m_a: MbarrierRing
     m_b: MbarrierRing
     pa_free: MbarrierRing
+    left_p: MbarrierRing  # the left group's 128 threads wrote P_A and its row factors -> its P_A V_A
 
 
 class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
@@ -182,7 +187,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         @cute.struct
         class SharedStorage:
             # full[STAGES_C] (TMA bytes), empty[STAGES_C] (8 consumer warps), then m_a, m_b, pa_free (KRings)
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 3]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 4]
             max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             alpha: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
@@ -228,9 +233,10 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         bars = storage.kv_mbar.data_ptr()
         rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8),
                        m_a=MbarrierRing(bars + 2 * STAGES_C, 1, 128), m_b=MbarrierRing(bars + 2 * STAGES_C + 1, 1, 128),
-                       pa_free=MbarrierRing(bars + 2 * STAGES_C + 2, 1, 128))
+                       pa_free=MbarrierRing(bars + 2 * STAGES_C + 2, 1, 128),
+                       left_p=MbarrierRing(bars + 2 * STAGES_C + 3, 1, 128))
         if tidx == 0:
-            for ring in (rings.full_k, rings.empty_k, rings.m_a, rings.m_b, rings.pa_free):
+            for ring in (rings.full_k, rings.empty_k, rings.m_a, rings.m_b, rings.pa_free, rings.left_p):
                 ring.init()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -457,7 +463,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # P_A at m_A: both groups' P_A V_A (the right group rescales its O around it)
                 self.store_p_t(acc_s, pa, alpha, False, warp, lane)
                 self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
-                cute.arch.barrier(barrier_id=int(Sm90DecodeBarrier.LEFT_P), number_of_threads=128)
+                rings.left_p.arrive(i)
+                rings.left_p.wait_filled(i)
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_A, lane)
                 # P_A V_A with S_A of the next pair issued between its k-steps
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane,

@@ -68,26 +68,30 @@ def unsupported_reason(args, cc) -> str | None:
 # above. At batch 1-2 each CTA has a few tiles and design B's fixed cost (q split into e4m3 hi + lo, a larger
 # kernel) outweighs its faster tiles: H100, B 1-2 x S 1k/8k x q_len 1/2, A took 19.4-46.9 us where B took
 # 27.7-50.7; from B=8 on B is faster (docs/perf/cute_sm90_fp8.md). An fp8 q has no
-# split to pay for: design B at every batch (B 1-2: 10-44% faster than A; same file).
+# split to pay for: never design A (B at B 1-2: 10-44% faster than A; same file).
 FP8_DEQUANT_MAX_BATCH = 2
 
 
-# Design C ("fp8seesaw", kernel_fp8seesaw.py, an fp8 q only) is a tuner candidate (configs) and a caller's choice,
-# not yet `auto`'s. H100, 2026-11-28, standard fp8 grid (benchmarks/results/fp8seesaw_h100): C is 1.00-1.09x FlashMLA
-# fp8 at B >= 32 and S >= 4096 where design B is 0.93-1.03x, and the slower design where a CTA has few tiles (S = 1024
-# at any batch, B <= 8 below S = 32768). It would be the default from batch 32, but compute-sanitizer's racecheck
-# reports hazards in its epilogue that no test output shows and no reading of the code explains
-# (docs/perf/cute_sm90_fp8.md); until they are explained, `auto` keeps design B.
+# fp8 caches, CUTE_MLA_FP8_DESIGN=auto, fp8 q: design C ("fp8seesaw", kernel_fp8seesaw.py, an fp8 q only) from this
+# batch, design B below. H100, 2026-11-28, standard fp8 grid, both designs in one run (benchmarks/results/
+# fp8seesaw_h100/design_c, design_b): C is 1.00-1.09x FlashMLA fp8 at B >= 32 and S >= 4096 where B is 0.93-1.03x,
+# and the slower design where a CTA has few tiles (S = 1024, B <= 8); the rule's geomean over the 48 cells 1.021x
+# FlashMLA against design B's 0.994x. compute-sanitizer's racecheck is clean on it since its in-group meeting is an
+# mbarrier (kernel_fp8seesaw.py). Design C stays a tuner candidate at every batch (configs).
+FP8_SEESAW_MIN_BATCH = 32
 
 
 def fp8_design_for(args) -> str:
-    """CUTE_MLA_FP8_DESIGN for these arguments: ``auto`` resolved by batch and q dtype; ``fp8seesaw`` (design C takes
+    """CUTE_MLA_FP8_DESIGN for these arguments: ``auto`` resolved by q dtype and batch (an fp8 q: design C from
+    FP8_SEESAW_MIN_BATCH, B below; a 16-bit q: A up to FP8_DEQUANT_MAX_BATCH, B above); ``fp8seesaw`` (design C takes
     an fp8 q only) is a preference, so a 16-bit q runs design B under it (``mla_decode(fp8_design="fp8seesaw")``
     with a 16-bit q is refused by name instead)."""
     design = envs.CUTE_MLA_FP8_DESIGN
     if design == "auto":
-        small = args.batch <= FP8_DEQUANT_MAX_BATCH and args.q_dtype != FP8_DTYPE
-        design = "dequant" if small else "fp8mma"
+        if args.q_dtype == FP8_DTYPE:
+            design = "fp8seesaw" if args.batch >= FP8_SEESAW_MIN_BATCH else "fp8mma"
+        else:
+            design = "dequant" if args.batch <= FP8_DEQUANT_MAX_BATCH else "fp8mma"
     elif design == "fp8seesaw" and args.q_dtype != FP8_DTYPE:
         design = "fp8mma"
     return design
