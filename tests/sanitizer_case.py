@@ -2,7 +2,7 @@
 tests/test_kernel_features_gpu.py.
 
 Covers the split (cute_sm90: with the combine fused into the split kernel and separate) and the unsplit path,
-bf16 and fp8 KV, a request shorter than q_len and an empty one; checks
+bf16 and fp8 KV, a request shorter than q_len and an empty one (and for cute_sm90 fp8 design C at 128 heads); checks
 the results against the reference too, and prints XQA_SANITIZER_OK at the end.
 """
 
@@ -37,6 +37,19 @@ def main(kernel: str) -> None:
         ref_out, ref_lse = inp.reference()
         assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype,
                             msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
+    if kernel == "cute_sm90":
+        # fp8 design C at the serving shape (128 heads, an fp8 q, q_len 2): its two consumer groups meet through
+        # mbarriers and named barriers of two thread counts, the case where racecheck once reported hazards
+        os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
+        lens = [700, 635, 617]
+        inp = make_decode_inputs(3, lens, 2, 128, 64, FP8_DTYPE, "fp8", "cuda", 14, kv_scale=3.0)
+        ws = MLAWorkspace("cuda", max_batch=3, max_q_len=2, num_heads=128)
+        out, lse = inp.poisoned_outputs()
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
+                   kernel=kernel, fp8_design="fp8seesaw", **inp.scale_kwargs())
+        torch.cuda.synchronize()
+        ref_out, ref_lse = inp.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, FP8_DTYPE, msg="sanitizer case fp8 design C")
     print("SANITIZER_OK")
 
 
