@@ -671,7 +671,7 @@ def test_a_config_without_a_split_cap_fills_one_wave(heads, q_len, batch, capaci
     assert launch.wave_filling_config(args, ws, dataclasses.replace(cfg, max_splits=16)).max_splits == 16
 
 
-def test_prepared_launch_is_kept_per_shape_config_and_workspace(monkeypatch):
+def test_launch_setup_is_kept_per_shape_config_and_workspace(monkeypatch):
     """What ``launch`` works out of a call's shape (the compiled variant, the wave-filling config, the plan, the
     fused flag) is kept in the workspace per key and reused by the same shape; every part of the key that changes
     the variant or the plan (batch, q_len, dtypes, scale forms, block size, config) gets its own entry, and a
@@ -683,8 +683,8 @@ def test_prepared_launch_is_kept_per_shape_config_and_workspace(monkeypatch):
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=128, num_sms=132, rows_per_cta=config.BLOCK_M)
     cfg = launch.default_config(_args(), (9, 0))
-    first = launch.prepared_launch(_args(batch=2), ws, cfg)
-    assert launch.prepared_launch(_args(batch=2), ws, cfg) is first and len(variants) == 1
+    first = launch.launch_setup(_args(batch=2), ws, cfg)
+    assert launch.launch_setup(_args(batch=2), ws, cfg) is first and len(variants) == 1
     assert first[0] == launch.variant_for(_args(batch=2), cfg)
     assert first[2] is ws.plan_for(_args(batch=2), launch.PlanTile(config.BLOCK_M, config.BLOCK_N), first[1])
     others = [
@@ -700,9 +700,9 @@ def test_prepared_launch_is_kept_per_shape_config_and_workspace(monkeypatch):
     ]
     seen = {id(first)}
     for args, c in others:
-        prepared = launch.prepared_launch(args, ws, c)
+        prepared = launch.launch_setup(args, ws, c)
         assert id(prepared) not in seen and prepared[0] == launch.variant_for(args, c), (args.batch, c)
         seen.add(id(prepared))
     other_ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=128, num_sms=132,
                             rows_per_cta=config.BLOCK_M)
-    assert launch.prepared_launch(_args(batch=2), other_ws, cfg) is not first
+    assert launch.launch_setup(_args(batch=2), other_ws, cfg) is not first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -167,6 +168,7 @@ _PREPARED: dict = {}
 _PREPARED_MAX = 256
 
 
+@functools.cache
 def _triton_version() -> tuple[int, int]:
     major, minor = (triton.__version__.split(".") + ["0"])[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -235,7 +237,7 @@ def scale_args(scale):
 
 
 def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
-                   partial_dtype: torch.dtype = torch.float32) -> str | None:
+                   partial_dtype: torch.dtype = torch.float32) -> None:
     """Merge the split partials of ``workspace`` (rows of ``partial_dtype``, as the split kernel stored them:
     ``Workspace.partials_as``) into args.out / args.lse, for every split kernel that writes the workspace layout
     of ``plan`` (the plan the split kernel ran):
@@ -246,7 +248,6 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
       ``workspace.split_index`` as the split kernel wrote it (ops/plan.py ``balanced_schedule``).
 
     ``use_pdl`` launches it as a programmatic dependent of the split kernel (it waits with griddepcontrol).
-    Returns the launch path (``prepared_launch``), or None when there is nothing to merge.
     """
     kv_scale_ptr, kv_scale_val, kv_is_ptr = scale_args(args.kv_scale)
     kv_scale_ptr = workspace.partial_lse if kv_scale_ptr is None else kv_scale_ptr
@@ -257,14 +258,15 @@ def launch_combine(args, workspace, plan, block_n: int, use_pdl: bool = False,
     strides = (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     if plan.balanced:
         rows = args.q_len * args.num_heads
-        return prepared_launch(
+        prepared_launch(
             combine_balanced_kernel, (rows // plan.combine_rows, plan.max_split_requests, plan.combine_col_blocks),
             (out, lse, partials, workspace.partial_lse, workspace.split_index, kv_scale_ptr, kv_scale_val, *strides),
             dict(NUM_HEADS=args.num_heads, Q_LEN=args.q_len, ROWS=plan.combine_rows, KV_SCALE_IS_PTR=kv_is_ptr,
                  D_NOPE=KV_LORA_RANK, SPLITS_P2=triton.next_power_of_2(plan.request_split_limit), USE_PDL=use_pdl,
                  D_BLOCK=KV_LORA_RANK // plan.combine_col_blocks, SPLIT_BLOCK=plan.combine_split_block),
             4, use_pdl)
-    return prepared_launch(
+        return
+    prepared_launch(
         combine_uniform_kernel, (args.batch, args.q_len * args.num_heads, 1),
         (out, lse, partials, workspace.partial_lse, args.seq_lens, kv_scale_ptr, kv_scale_val, *strides),
         dict(NUM_HEADS=args.num_heads, Q_LEN=args.q_len, BLOCK_N=block_n, NUM_SPLITS=plan.num_splits,

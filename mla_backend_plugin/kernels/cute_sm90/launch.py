@@ -264,7 +264,7 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
     return config if cap is None and long_cap is None else _with_split_caps(config, cap, long_cap)
 
 
-def prepared_launch(args, workspace, config: LaunchConfig) -> tuple:
+def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
     """(compiled function, the config it runs, its plan, whether the combine is fused, the scale tensors' stand-in)
     of ``launch(args, workspace, config)``: functions of what the key below holds, so they are worked out once per
     key and kept in the workspace (an engine's eager calls repeat one shape per layer and step)."""
@@ -289,7 +289,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     if not config.balanced:
         raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
                          "(the kernel's device schedules)")
-    fn, config, plan, fused, dummy = prepared_launch(args, workspace, config)
+    fn, config, plan, fused, dummy = launch_setup(args, workspace, config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, dummy)
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
