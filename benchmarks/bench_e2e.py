@@ -153,6 +153,18 @@ def _busy_us(kernels) -> float:
     return busy
 
 
+def _idle_before(kernels) -> dict[str, float]:
+    """The GPU's idle gaps (no kernel running) summed by the name of the kernel that ends each gap: where in a
+    step the GPU waits (a host launch, a graph's start, a kernel's dependency)."""
+    gaps: dict[str, float] = {}
+    end = None
+    for name, start, dur in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and start > end:
+            gaps[name] = gaps.get(name, 0.0) + start - end
+        end = start + dur if end is None else max(end, start + dur)
+    return gaps
+
+
 def _span_us(kernels) -> float:
     """From the first kernel's start to the last one's end."""
     return max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels) if kernels else 0.0
@@ -174,12 +186,16 @@ def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
     a, b = by_name(short), by_name(long)
     per_step = {n: (b.get(n, 0.0) - a.get(n, 0.0)) / steps for n in set(a) | set(b)}
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:10]
+    ga, gb = _idle_before(short), _idle_before(long)
+    idle = {n: (gb.get(n, 0.0) - ga.get(n, 0.0)) / steps for n in set(ga) | set(gb)}
+    idle_top = sorted(idle.items(), key=lambda kv: -abs(kv[1]))[:8]
     return {"gpu_busy_ms": round((_busy_us(long) - _busy_us(short)) / steps / 1e3, 4),
             "gpu_span_ms": round((_span_us(long) - _span_us(short)) / steps / 1e3, 4),
             "kernel_ms": round(sum(per_step.values()) / 1e3, 4),
             "attention_kernel_ms": round(sum(v for n, v in per_step.items() if ATTENTION_KERNEL.search(n)) / 1e3, 4),
             "kernel_launches": round((len(long) - len(short)) / steps, 1),
-            "top_kernels": [[n[:90], round(v, 1)] for n, v in top]}
+            "top_kernels": [[n[:90], round(v, 1)] for n, v in top],
+            "idle_before_us": [[n[:90], round(v, 1)] for n, v in idle_top]}
 
 
 # ---------------------------------------------------------------- worker (one backend, one engine)
@@ -672,6 +688,12 @@ def render(out_dir: Path) -> Path:
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
             lines.append(f"- {row_label(r)} S={r['context']} B={r['batch']}: {kernels}")
+        idle_rows = [r for r in profiled if r.get("idle_before_us")]
+        if idle_rows:
+            lines += ["", "GPU idle per step (us) by the kernel that ends the gap (what the GPU waited to start):", ""]
+            for r in sorted(idle_rows, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
+                gaps = "; ".join(f"`{n[:60]}` {us}" for n, us in r["idle_before_us"][:6])
+                lines.append(f"- {row_label(r)} S={r['context']} B={r['batch']} n-gram {r['spec']}: {gaps}")
         lines.append("")
     starts = [r for r in rows if "start" in r]
     if starts:

@@ -152,11 +152,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90, the default of `LaunchConfig.fused_combine`: when a split-KV grid fits on the GPU at once "
            "(small batches), merge the splits inside the split kernel (one launch) instead of a second combine "
            "kernel; `0` always launches the combine kernel.", kind="bool"),
-    EnvVar("CUTE_MLA_PREPARED_COMBINE", False,
+    EnvVar("CUTE_MLA_PREPARED_COMBINE", True,
            "Launch a repeated split-KV combine (same shapes, strides, alignment and constants as an earlier launch) "
-           "straight through the compiled Triton kernel's launcher, skipping Triton's per-launch Python (~40% of an "
-           "eager decode call's host time under cProfile on an H100 host). Off by default: not yet run on a GPU "
-           "(tests/test_host_path_gpu.py).", kind="bool"),
+           "straight through the compiled Triton kernel's launcher, skipping Triton's per-launch Python (Triton "
+           "3.4-3.6; other versions take the ordinary launch); `0` always launches through Triton.", kind="bool"),
     EnvVar("CUTE_MLA_TRITON_SPLITS", "balanced",
            "Split-KV plan of the Triton kernel: `balanced` (long requests get more splits; the default) or "
            "`uniform` (for comparisons).", kind="choice", choices=("balanced", "uniform")),

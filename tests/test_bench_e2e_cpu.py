@@ -66,6 +66,12 @@ def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
     md = bench.render(tmp_path).read_text()
     # an older row (no traced span): idle from the timed step
     assert "| CUTE_MLA | 8192 | 32 | 0 | 5.000 | - | 4.500 | 0.500 | 1.250 | 3.250 | 3.750 | 80.0 | - | - |" in md
+    # idle gaps go to the kernel that ends them; overlapping kernels leave none
+    assert bench._idle_before([("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("a", 36.0, 1.0)]) == {
+        "c": 15.0, "a": 1.0}
+    row["idle_before_us"] = [["plan_kernel", 12.5]]
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    assert "- CUTE_MLA S=8192 B=32 n-gram 0: `plan_kernel` 12.5" in bench.render(tmp_path).read_text()
     # a traced span: idle from the traced runs themselves
     assert bench._span_us([("a", 2.0, 10.0), ("b", 30.0, 5.0)]) == 33.0
     (tmp_path / "rows.jsonl").write_text(json.dumps({**row, "gpu_span_ms": 4.6}) + "\n")

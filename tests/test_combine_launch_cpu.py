@@ -116,13 +116,15 @@ def test_hooks_unset_reads_tritons_hook_chains():
     assert combine._hooks_unset()
 
 
-def test_off_by_default_and_on_cpu_tensors(fake, monkeypatch):
-    """Opt-in (CUTE_MLA_PREPARED_COMBINE) until it has run on a GPU; tensors off the GPU (Triton's CPU
-    interpreter) always take the ordinary path."""
+def test_on_by_default_off_by_env_and_on_cpu_tensors(fake, monkeypatch):
+    """On by default (CUTE_MLA_PREPARED_COMBINE=0 turns it off); tensors off the GPU (Triton's CPU interpreter)
+    always take the ordinary path."""
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
     launch = lambda: combine.prepared_launch(fake, (1, 1, 1), (x, y, 16), {"A": 1}, 4, False)  # noqa: E731
-    monkeypatch.delenv("CUTE_MLA_PREPARED_COMBINE")
+    monkeypatch.setenv("CUTE_MLA_PREPARED_COMBINE", "0")
     assert [launch(), launch()] == ["triton", "triton"] and not combine._PREPARED
-    monkeypatch.setenv("CUTE_MLA_PREPARED_COMBINE", "1")
+    monkeypatch.delenv("CUTE_MLA_PREPARED_COMBINE")
+    assert [launch(), launch()] == ["triton", "prepared"]
+    combine._PREPARED.clear()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: False))
     assert [launch(), launch()] == ["triton", "triton"] and not combine._PREPARED

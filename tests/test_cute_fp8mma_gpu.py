@@ -75,3 +75,50 @@ def test_fp8_designs_short_and_ragged_lengths(design):
     torch.cuda.synchronize()
     ref_out, ref_lse = inp.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"{design} lens={lens}")
+
+
+@pytest.mark.parametrize("heads,lens_around,bs", [(128, 3000, 64), (16, 1500, 32)])
+def test_auto_runs_design_c_from_batch_32_eager_and_in_graphs(heads, lens_around, bs, monkeypatch):
+    """The serving default: ``auto`` with an fp8 q runs design C from launch.FP8_SEESAW_MIN_BATCH. Ragged lengths
+    (one not a multiple of the page), NaN/inf in every unread slot, the kv scale as a device tensor, outputs
+    poisoned; then the same call in a CUDA graph replayed with new lengths and tables."""
+    reason = kernel_unsupported_reason("cute_sm90")
+    if reason is not None:
+        pytest.skip(f"cute_sm90: {reason}")
+    from mla_backend_plugin.kernels.cute_sm90 import launch
+    from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+    from mla_backend_plugin.testing import capture_graph
+
+    monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "auto")
+    chosen = []
+    real = launch.fp8_design_for
+    monkeypatch.setattr(launch, "fp8_design_for", lambda args: chosen.append(real(args)) or chosen[-1])
+    B = launch.FP8_SEESAW_MIN_BATCH
+    lens = draw_seq_lens(B, lens_around, block_size=bs, seed=heads)
+    max_blocks = -(-max(lens) * 2 // bs)
+    sizes = dict(num_blocks=B * max_blocks, max_blocks=max_blocks)
+    inp = make_decode_inputs(B, lens, 1, heads, bs, FP8, "fp8", "cuda", 31, kv_scale=1.75, **sizes)
+    ws = MLAWorkspace("cuda", max_batch=B, max_q_len=1, num_heads=heads)
+    scales = inp.scale_kwargs((False, True))  # the kv scale a device tensor, as vLLM hands it
+    out, lse = inp.poisoned_outputs()
+    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
+               workspace=ws, **scales)
+    torch.cuda.synchronize()
+    assert chosen and set(chosen) == {"fp8seesaw"}, chosen
+    ref_out, ref_lse = inp.reference()
+    assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"auto B={B} h{heads} lens={lens}")
+
+    out, lse = inp.poisoned_outputs()
+    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                                               kernel="cute_sm90", workspace=ws, **scales))
+    new_lens = draw_seq_lens(B, lens_around * 2, block_size=bs, seed=heads + 1, max_len=max_blocks * bs)
+    new = make_decode_inputs(B, new_lens, 1, heads, bs, FP8, "fp8", "cuda", 32, kv_scale=1.75, **sizes)
+    for dst, src in zip((*inp.q, inp.kv_cache, inp.block_table, inp.seq_lens),
+                        (*new.q, new.kv_cache, new.block_table, new.seq_lens)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = new.reference()
+    assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"auto graph replay B={B} h{heads} lens={new_lens}")

@@ -157,12 +157,13 @@ def combine_balanced_kernel(
 # ------------------------------------------------------------------------------------------------------------
 # ``kernel[grid](...)`` re-derives on every launch what a decode call of one shape never changes: the binder and
 # its argument specialisation, the cache key, the launch metadata (~40% of an eager decode call's host time under
-# cProfile on an H100 host: benchmarks/results/host/h100_2026-11-28). A launch whose specialisation key (below)
+# cProfile on an H100 host, 2026-11-28; benchmarks/results/host/). A launch whose specialisation key (below)
 # was launched before calls that compiled kernel's launcher directly, with the same arguments in the same order.
 # The key holds everything Triton specialises on: each tensor's dtype and 16-byte alignment, each int's value,
 # each float's type, the constexprs, the grid, the warps, PDL and the device. Only where Triton's launch hooks are
 # unset (a profiler's hooks get the ordinary path) and for the Triton versions whose launcher convention this was
-# written against (the ordinary path elsewhere). Opt-in (CUTE_MLA_PREPARED_COMBINE=1) until it has run on a GPU.
+# written against (the ordinary path elsewhere). On by default since tests/test_host_path_gpu.py passed on an H200
+# (2026-11-28); CUTE_MLA_PREPARED_COMBINE=0 turns it off.
 PREPARED_TRITON_VERSIONS = ((3, 4), (3, 5), (3, 6))
 _PREPARED: dict = {}
 _PREPARED_MAX = 256
@@ -208,7 +209,7 @@ def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: i
         fn[grid](*args, **constexprs, num_warps=num_warps, **extra)
         return "triton"
     device = args[0].device.index
-    key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), tuple(_arg_key(a) for a in args))
+    key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), tuple(map(_arg_key, args)))
     prepared = _PREPARED.get(key)
     if prepared is not None and _hooks_unset():
         compiled, tail, get_stream = prepared
