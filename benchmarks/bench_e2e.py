@@ -688,6 +688,14 @@ def render(out_dir: Path) -> Path:
         for r in sorted(profiled, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             kernels = "; ".join(f"`{n[:60]}` {us}" for n, us in r["top_kernels"][:6])
             lines.append(f"- {row_label(r)} S={r['context']} B={r['batch']}: {kernels}")
+        spec_rows = [r for r in profiled if r["spec"] and r.get("builder_calls_per_step")]
+        if spec_rows:
+            lines += ["", "With speculation a timed step is one token per request; the engine steps behind it (one "
+                      "builder call each) depend on how many drafts were accepted, so compare these first:", ""]
+            for r in sorted(spec_rows, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
+                calls = r["builder_calls_per_step"]
+                lines.append(f"- {row_label(r)} S={r['context']} B={r['batch']} n-gram {r['spec']}: "
+                             f"{1 / calls:.2f} tokens per engine step, {r['step_ms'] / calls:.3f} ms per engine step")
         idle_rows = [r for r in profiled if r.get("idle_before_us")]
         if idle_rows:
             lines += ["", "GPU idle per step (us) by the kernel that ends the gap (what the GPU waited to start):", ""]

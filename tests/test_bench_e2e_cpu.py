@@ -72,6 +72,10 @@ def test_kernel_profile_rows_render_where_the_step_goes(tmp_path):
     row["idle_before_us"] = [["plan_kernel", 12.5]]
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
     assert "- CUTE_MLA S=8192 B=32 n-gram 0: `plan_kernel` 12.5" in bench.render(tmp_path).read_text()
+    # a speculative row: the builder runs once per engine step, so 0.5 calls per token = 2 tokens a step
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row | {"spec": 1, "builder_calls_per_step": 0.5}) + "\n")
+    assert ("- CUTE_MLA S=8192 B=32 n-gram 1: 2.00 tokens per engine step, 10.000 ms per engine step"
+            in bench.render(tmp_path).read_text())
     # a traced span: idle from the traced runs themselves
     assert bench._span_us([("a", 2.0, 10.0), ("b", 30.0, 5.0)]) == 33.0
     (tmp_path / "rows.jsonl").write_text(json.dumps({**row, "gpu_span_ms": 4.6}) + "\n")
