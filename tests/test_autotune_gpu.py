@@ -108,9 +108,7 @@ def test_the_tuned_choice_is_captured_in_a_cuda_graph_and_replays_correctly(monk
     for i, lens in enumerate(([4000, 1, 64], [1, 2, 3], [2500, 4096, 129])):
         new = make_decode_inputs(batch, lens, q_len, heads, bs, BF16, "pair", DEVICE, 10 + i,
                                  num_blocks=batch * width + 5, max_blocks=width)
-        for dst, src in ((static.q[0], new.q[0]), (static.q[1], new.q[1]), (static.kv_cache, new.kv_cache),
-                         (static.block_table, new.block_table), (static.seq_lens, new.seq_lens)):
-            dst.copy_(src)
+        static.load_(new)
         out.fill_(math.nan)
         graph.replay()
         torch.cuda.synchronize()

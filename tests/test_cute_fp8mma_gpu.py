@@ -87,7 +87,7 @@ def test_auto_runs_design_c_from_batch_32_eager_and_in_graphs(heads, lens_around
         pytest.skip(f"cute_sm90: {reason}")
     from mla_backend_plugin.kernels.cute_sm90 import launch
     from mla_backend_plugin.ops import MLAWorkspace, mla_decode
-    from mla_backend_plugin.testing import capture_graph
+    from mla_backend_plugin.testing import capture_graph, replay_with
 
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "auto")
     chosen = []
@@ -113,12 +113,6 @@ def test_auto_runs_design_c_from_batch_32_eager_and_in_graphs(heads, lens_around
                                                kernel="cute_sm90", workspace=ws, **scales))
     new_lens = draw_seq_lens(B, lens_around * 2, block_size=bs, seed=heads + 1, max_len=max_blocks * bs)
     new = make_decode_inputs(B, new_lens, 1, heads, bs, FP8, "fp8", "cuda", 32, kv_scale=1.75, **sizes)
-    for dst, src in zip((*inp.q, inp.kv_cache, inp.block_table, inp.seq_lens),
-                        (*new.q, new.kv_cache, new.block_table, new.seq_lens)):
-        dst.copy_(src)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_with(graph, inp, new, out, lse)
     ref_out, ref_lse = new.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"auto graph replay B={B} h{heads} lens={new_lens}")

@@ -12,7 +12,13 @@ import torch
 from mla_backend_plugin.kernels.combine import kernel as combine
 from mla_backend_plugin.ops import MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.testing import assert_close_decode, capture_graph, kernel_unsupported_reason, make_decode_inputs
+from mla_backend_plugin.testing import (
+    assert_close_decode,
+    capture_graph,
+    kernel_unsupported_reason,
+    make_decode_inputs,
+    replay_with,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -52,12 +58,6 @@ def test_repeat_eager_calls_take_the_prepared_combine_launch(kernel, kv_dtype, m
     assert paths[-1] == "prepared", paths
     new = make_decode_inputs(3, [1999, 64, 1200], 1, 128, 64, kv_dtype, "pair", "cuda", 22,
                              kv_scale=2.5 if fp8 else None, **sizes)
-    for dst, src in zip((*inp.q, inp.kv_cache, inp.block_table, inp.seq_lens),
-                        (*new.q, new.kv_cache, new.block_table, new.seq_lens)):
-        dst.copy_(src)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_with(graph, inp, new, out, lse)
     ref_out, ref_lse = new.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"{kernel} graph replay")

@@ -31,6 +31,7 @@ from mla_backend_plugin.testing import (
     capture_graph,
     draw_seq_lens,
     make_decode_inputs,
+    replay_with,
     select_kernel_for_test,
 )
 
@@ -116,12 +117,7 @@ def test_graph_replay_back_to_back(monkeypatch, pdl, one_step):
     graph = capture_graph(lambda _: run(), warmup=1)
     for i, lens in enumerate([None] + rounds):  # round 0: eager, a new step
         if lens is not None:
-            new = fresh(lens, 20 + i)
-            q_nope.copy_(new.q[0])
-            q_pe.copy_(new.q[1])
-            kv.copy_(new.kv_cache)
-            bt.copy_(new.block_table)
-            seq.copy_(new.seq_lens)
+            static.load_(fresh(lens, 20 + i))
         for t in (out1, out2, lse1, lse2):
             t.fill_(math.nan)
         if lens is None:
@@ -237,16 +233,7 @@ def test_cute_sm90_fused_combine(kernel, monkeypatch, case, kv_dtype, q_form):
               ([0, 700] * batch)[:batch], [q_len + 1] * batch]
     for i, new_lens in enumerate(rounds):
         new = fresh(new_lens, 50 + i)
-        for dst, src in zip(inp.q if isinstance(inp.q, tuple) else (inp.q,),
-                            new.q if isinstance(new.q, tuple) else (new.q,)):
-            dst.copy_(src)
-        inp.kv_cache.copy_(new.kv_cache)
-        inp.block_table.copy_(new.block_table)
-        inp.seq_lens.copy_(new.seq_lens)
-        out.fill_(math.nan)
-        lse.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_with(graph, inp, new, out, lse)
         ref_out, ref_lse = new.reference()
         assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
         assert not counters.any(), counters.nonzero()

@@ -928,3 +928,23 @@ def test_workspace_ignored_by_reference_kernel():
     assert not KERNELS["reference"].needs_workspace and KERNELS["triton"].needs_workspace
     out, lse = mla_decode(*inp.call_args(), softmax_scale=SOFTMAX_SCALE, kernel="reference", workspace=ws)
     assert torch.isfinite(lse).all()
+
+
+def test_decode_inputs_load_in_place_for_graph_replays():
+    """``DecodeInputs.load_`` copies another draw into the captured tensors (same storage, new values: the
+    reference then answers for the new draw); scales differing from the captured ones are refused."""
+    a = make_decode_inputs(3, [100, 37, 64], 2, 16, 16, torch.bfloat16, "pair", "cpu", 1, num_blocks=40,
+                           max_blocks=10)
+    b = make_decode_inputs(3, [150, 1, 9], 2, 16, 16, torch.bfloat16, "pair", "cpu", 2, num_blocks=40,
+                           max_blocks=10)
+    tensors = lambda x: (*x.q, x.kv_cache, x.block_table, x.seq_lens)  # noqa: E731
+    ptrs = [t.data_ptr() for t in tensors(a)]
+    a.load_(b)
+    assert ptrs == [t.data_ptr() for t in tensors(a)]
+    for x, y in zip(tensors(a), tensors(b)):
+        assert torch.equal(x.float().nan_to_num(), y.float().nan_to_num())
+    torch.testing.assert_close(a.reference()[0], b.reference()[0], equal_nan=True)
+    fp8 = [make_decode_inputs(2, [70, 9], 1, 16, 16, torch.float8_e4m3fn, "fp8", "cpu", s, kv_scale=k)
+           for s, k in ((3, 2.0), (4, 1.0))]
+    with pytest.raises(ValueError, match="load_: scales"):
+        fp8[0].load_(fp8[1])

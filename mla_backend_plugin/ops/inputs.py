@@ -127,6 +127,21 @@ class DecodeInputs:
             self._fp8_query = quantize_fp8(q)
         return self._fp8_query
 
+    def load_(self, new: DecodeInputs) -> None:
+        """Copy ``new``'s q, KV cache (copy 0), block table and lengths into this one's tensors in place: the
+        buffers a CUDA graph captured. Shapes and scales must match (a graph keeps the scales it captured)."""
+        if (new.q_scale, new.kv_scale) != (self.q_scale, self.kv_scale):
+            raise ValueError(f"load_: scales {(new.q_scale, new.kv_scale)} differ from the captured "
+                             f"{(self.q_scale, self.kv_scale)}")
+        pairs = [*zip(self.q if isinstance(self.q, tuple) else (self.q,),
+                      new.q if isinstance(new.q, tuple) else (new.q,)),
+                 (self.kv_cache, new.kv_cache), (self.block_table, new.block_table), (self.seq_lens, new.seq_lens)]
+        if self.row_kv_lens is not None:
+            pairs.append((self.row_kv_lens, new.row_kv_lens))
+        for dst, src in pairs:
+            dst.copy_(src)
+        self._fp8_query = None
+
     def poisoned_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Preallocated (out, lse) filled with NaN: any element the kernel forgets to write stays NaN."""
         out = torch.full((self.num_tokens, self.num_heads, KV_LORA_RANK), math.nan, dtype=self.out_dtype,

@@ -28,7 +28,7 @@ from mla_backend_plugin.ops.timing import (
     time_graphs,
 )
 from mla_backend_plugin.ops.tolerances import TOLERANCES, Comparison, Tolerance, compare_decode, tolerance_for
-from mla_backend_plugin.testing.inputs import draw_seq_lens
+from mla_backend_plugin.testing.inputs import draw_seq_lens, replay_with
 from mla_backend_plugin.testing.kernels import (
     kernel_unsupported_reason,
     poison_runner_outputs,
@@ -41,6 +41,6 @@ __all__ = [
     "Timing", "Tolerance", "assert_close_decode", "calls_per_graph_for", "capture_graph", "compare_decode",
     "draw_seq_lens", "kernel_unsupported_reason", "kv_copies_for", "make_decode_inputs",
     "measure_bf16_flops_per_s", "measure_hbm_bytes_per_s", "poison_runner_outputs", "quantize_fp8",
-    "select_kernel_for_test",
+    "replay_with", "select_kernel_for_test",
     "time_graphs", "tolerance_for",
 ]

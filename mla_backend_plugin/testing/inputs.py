@@ -3,6 +3,7 @@ self-check and the tuner use too; ``mla_backend_plugin.testing`` re-exports it).
 
 from __future__ import annotations
 
+import math
 import random
 
 
@@ -39,3 +40,16 @@ def draw_seq_lens(batch: int, around: int, *, block_size: int, seed: int, max_to
     lens[1] = max(1, odd)
     rng.shuffle(lens)
     return lens
+
+
+def replay_with(graph, captured, new, out, lse) -> None:
+    """Replay ``graph`` (captured on ``captured``'s tensors, writing ``out`` / ``lse``) on ``new``'s inputs: they
+    are copied into the captured tensors (``DecodeInputs.load_``), the outputs poisoned with NaN, and the replay
+    waited for."""
+    import torch
+
+    captured.load_(new)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
