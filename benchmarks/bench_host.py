@@ -213,18 +213,26 @@ def vllm_decode_inputs(batch: int, seq_len: int, kv_dtype: str, num_heads: int =
 
 
 def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, layers: int,
-             profile: cProfile.Profile | None) -> list[float]:
+             profile: cProfile.Profile | None, new_batch_each_step: bool = False) -> list[float]:
     """--cpu-dry, one cell: us per call of each timed step (``layers`` calls sharing a new StepPlans); then, with
-    ``profile``, ``iters`` more steps under it."""
+    ``profile``, ``iters`` more steps under it. ``new_batch_each_step``: each step decodes a batch size no earlier
+    step had (batch, batch + 1, ...: as in the mixed steps of chunked prefill, where requests join the decode
+    batch as their prefill ends), so each step's first call decides, checks and plans anew."""
     from mla_backend_plugin.ops.workspace import StepPlans
 
     tuned.set_seq_profile([seq_len])
-    q, cache, block_table, seq_lens, q_scale, kv_scale = vllm_decode_inputs(batch, seq_len, kv)
-    workspace = serving.make_workspace("cpu", max_num_seqs=max_batch, num_speculative_tokens=0, num_heads=128,
-                                       out_dtype=torch.bfloat16)
+    steps = iters * (2 if profile is not None else 1) + 5
+    sizes = [batch + i for i in range(steps)] if new_batch_each_step else [batch]
+    full = vllm_decode_inputs(max(sizes), seq_len, kv)  # each size a view of the first rows (as vLLM slices)
+    inputs = {b: (tuple(t[:b] for t in full[0]) if isinstance(full[0], tuple) else full[0][:b], full[1],
+                  full[2][:b], full[3][:b], *full[4:]) for b in sizes}
+    workspace = serving.make_workspace("cpu", max_num_seqs=max(max_batch, *sizes), num_speculative_tokens=0,
+                                       num_heads=128, out_dtype=torch.bfloat16)
     runner = serving.DecodeRunner(0.1, "fp8" if kv == "fp8" else "auto")
+    count = iter(range(steps))
 
     def one_step():
+        q, cache, block_table, seq_lens, q_scale, kv_scale = inputs[sizes[next(count) % len(sizes)]]
         step = StepPlans()  # a step's metadata: its first call plans, the other layers reuse the plan
         for _ in range(layers):
             runner.decode(q, cache, block_table, seq_lens, workspace, q_scale=q_scale, kv_scale=kv_scale,
@@ -248,7 +256,9 @@ def cpu_dry(args) -> int:
     install_cpu_stubs()
     lines = ["# Host time of the serving path, CPU dry run (us per call: median [p10, p90])", "",
              f"{args.iters} steps of {args.layers} calls each; compiled kernels, the stream handle and the combine "
-             "launch stubbed (bench_host.py --cpu-dry).", ""]
+             "launch stubbed (bench_host.py --cpu-dry"
+             + (" --new-batch-each-step: every step a batch size no step had before, B = the column's and up"
+                if args.new_batch_each_step else "") + ").", ""]
     profiles = []
     batches = list(map(int, args.batches.split(",")))
     for kv in args.kv_dtypes.split(","):
@@ -258,7 +268,8 @@ def cpu_dry(args) -> int:
             texts = []
             for b in batches:
                 prof = cProfile.Profile() if args.profile_top else None
-                med, lo, hi = summary(dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof))
+                med, lo, hi = summary(dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof,
+                                               args.new_batch_each_step))
                 texts.append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
                 if prof is not None:
                     profiles.append((f"B={b} S={s} kv={kv}",
@@ -290,6 +301,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default="host_results")
     p.add_argument("--cpu-dry", action="store_true", help="no GPU: our serving path on CPU tensors, launches stubbed")
     p.add_argument("--layers", type=int, default=16, help="--cpu-dry: calls per step (one StepPlans each)")
+    p.add_argument("--new-batch-each-step", action="store_true",
+                   help="--cpu-dry: every step decodes a batch size no earlier step had (as mixed steps do)")
     args = p.parse_args(argv)
     if args.cpu_dry:
         return cpu_dry(args)

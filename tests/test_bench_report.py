@@ -40,6 +40,13 @@ def test_bench_host_cpu_dry_times_and_profiles_the_serving_path(tmp_path):
     profiles = (tmp_path / "host_profiles.txt").read_text()
     assert profiles.count("=====") == 4
     assert "(mla_decode)" in profiles and "cute_sm90/launch.py" in profiles
+    # every step a batch size no step had (mixed steps): each step's first call decides and plans again
+    proc = _run("benchmarks/bench_host.py", "--cpu-dry", "--new-batch-each-step", "--batches", "4", "--seq-lens",
+                "1024", "--kv-dtypes", "bf16", "--iters", "3", "--layers", "2", "--profile-top", "40", "--out-dir",
+                str(tmp_path / "new"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--new-batch-each-step" in (tmp_path / "new" / "host_results.md").read_text()
+    assert "(plan_for)" in (tmp_path / "new" / "host_profiles.txt").read_text()  # the profiled steps planned anew
 
 
 def test_compare_runs_ratios(tmp_path):
