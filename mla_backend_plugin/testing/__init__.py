@@ -3,7 +3,8 @@
 * the adversarial decode-input generator (``make_decode_inputs``, ``DecodeInputs``: ops/inputs.py), the one
   tolerance table and comparison against the float32 reference (ops/tolerances.py) and the timing core
   (ops/timing.py): the self-check and the tuner need them below this layer, so they live in ops/ and are
-  re-exported here; ``inputs``: ragged lengths (``draw_seq_lens``); ``tolerances``: ``assert_close_decode``;
+  re-exported here; ``inputs``: ragged lengths (``draw_seq_lens``), a graph replayed on new inputs
+  (``replay_with``); ``tolerances``: ``assert_close_decode``;
 * ``kernels``: which registry kernels can run here (per-kernel tests); NaN in the serving runner's outputs;
 * ``reference_check``: an engine's decode calls recomputed with the reference (``CUTE_MLA_CHECK_DIR``);
 * ``schedule_model``: the CPU model of a split plan's step time; ``dcp``: decode context parallelism simulated.

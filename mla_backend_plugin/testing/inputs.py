@@ -1,5 +1,6 @@
-"""Ragged KV lengths for tests and benchmarks (the decode-input generator itself is ops/inputs.py, which the
-self-check and the tuner use too; ``mla_backend_plugin.testing`` re-exports it)."""
+"""Ragged KV lengths for tests and benchmarks, and a CUDA graph's replay on a new draw of inputs (the decode-input
+generator itself is ops/inputs.py, which the self-check and the tuner use too; ``mla_backend_plugin.testing``
+re-exports it)."""
 
 from __future__ import annotations
 
