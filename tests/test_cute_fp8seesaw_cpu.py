@@ -141,10 +141,11 @@ def test_design_c_with_an_fp8_q_only_and_prebuilt():
         Variant("fp8", "bf16", "bf16", 128, 1, 64, False, True, fp8_mma=True, fp8_seesaw=True)
     v = Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=True, fp8_seesaw=True)
     assert v.name.endswith(" fp8seesaw") and build.kernel_class(v)[0] == "fp8seesaw"
-    # auto's decode shape prebuilt for every head count (vLLM's fp8 q and scale tensors); q_len 2-4 on first use
+    # auto's decode shapes prebuilt for every head count (vLLM's fp8 q and scale tensors): q_len 1 and 2 (MTP with
+    # one draft token); q_len 3-4 on first use
     seesaw = {(x.num_heads, x.q_len, x.block_size, x.row_kv_lens, x.q_scale_is_ptr, x.kv_scale_is_ptr)
               for x in build.serving_variants() if x.fp8_seesaw}
-    assert seesaw == {(h, 1, 64, False, True, True) for h in (16, 32, 64, 128)}
+    assert seesaw == {(h, q, 64, False, True, True) for h in (16, 32, 64, 128) for q in (1, 2)}
     assert LaunchConfig(fp8_design="fp8seesaw").fp8_design == "fp8seesaw"
 
 
