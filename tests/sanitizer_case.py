@@ -3,7 +3,7 @@ tests/test_kernel_features_gpu.py.
 
 Covers the split (cute_sm90: with the combine fused into the split kernel and separate) and the unsplit path,
 bf16 and fp8 KV, a request shorter than q_len and an empty one (and for cute_sm90 fp8 design C at 128 heads); checks
-the results against the reference too, and prints XQA_SANITIZER_OK at the end.
+the results against the reference too, and prints SANITIZER_OK at the end.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def main(kernel: str) -> None:
         assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype,
                             msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
     if kernel == "cute_sm90":
-        # fp8 design C at the serving shape (128 heads, an fp8 q, q_len 2): its two consumer groups meet through
-        # mbarriers and named barriers of two thread counts, the case where racecheck once reported hazards
+        # fp8 design C at the serving shape (128 heads, an fp8 q, q_len 2): its consumer groups meet through
+        # mbarriers of 128 arrivals and 256-thread named barriers; a 128-thread named barrier here once drew
+        # racecheck hazard reports (kernel_fp8seesaw.py)
         os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
         lens = [700, 635, 617]
         inp = make_decode_inputs(3, lens, 2, 128, 64, FP8_DTYPE, "fp8", "cuda", 14, kv_scale=3.0)
