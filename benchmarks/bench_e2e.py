@@ -203,9 +203,10 @@ def kernel_profile_per_step(run_short, run_long, steps: int) -> dict:
 class HostTimers:
     """Host seconds a backend spends in its metadata builder (``build``, and the decode part ``_build_decode``) and
     in ``forward_mqa`` (wrapped methods): the same hooks for every backend, so that the host time is compared like
-    the step time."""
+    the step time. For CUTE_MLA also the part of it inside the launches (bench_host.py ``time_launches``: the
+    compiled CuTe calls and the combine's), the rest being Python."""
 
-    KEYS = ("builder", "build_decode", "forward_mqa")
+    KEYS = ("builder", "build_decode", "forward_mqa", "cute_launch", "combine_launch")
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.KEYS, 0.0)
@@ -237,6 +238,14 @@ class HostTimers:
                     self.calls[_key] += 1
 
             setattr(cls, method, timed)
+        if backend == "CUTE_MLA":  # inside forward_mqa: cute_sm90's compiled calls and the combine's launches
+            from bench_host import time_launches
+
+            def record(piece: str, ns: int) -> None:
+                self.seconds[f"{piece}_launch"] += ns / 1e9
+                self.calls[f"{piece}_launch"] += 1
+
+            time_launches(record)
 
     def snapshot(self) -> dict:
         return {"seconds": dict(self.seconds), "calls": dict(self.calls)}
@@ -569,6 +578,14 @@ def _mixed_forward_us(row: dict) -> str:
     return f"{row['forward_mqa_us_mixed_phase'] / calls:.1f}" if calls else "-"
 
 
+def _mixed_launch_us(row: dict) -> str:
+    """Per eager forward_mqa call in the mixed phase: us inside the CuTe launches / the combine's launches."""
+    calls = row.get("forward_mqa_calls_mixed_phase") or 0
+    if not calls or "cute_launch_us_mixed_phase" not in row:
+        return "-"
+    return f"{row['cute_launch_us_mixed_phase'] / calls:.1f} / {row['combine_launch_us_mixed_phase'] / calls:.1f}"
+
+
 def _cell(row: dict) -> tuple:
     """What two rows must share to be compared: the cell, the engine's settings and its layout."""
     return (row["context"], row["spec"], row["batch"], row.get("graphs"), row.get("kv_cache_dtype") or "auto",
@@ -644,14 +661,16 @@ def render(out_dir: Path) -> Path:
                   "part), differenced like the step. Mixed phase (chunked prefill next to decoding, attention "
                   "eager): builder us per step and us per eager `forward_mqa` call.", "",
                   "| backend | S | B | builder us/step | _build_decode us/step | mixed: builder us/step | "
-                  "mixed: forward_mqa us/call |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "mixed: forward_mqa us/call | of which CuTe launches / combine launches us/call |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(hosted, key=lambda r: (r["context"], r["spec"], r["batch"], row_label(r))):
             mixed_steps_ = max(1, r.get("n_short", 2) - 1)
             per_call = _mixed_forward_us(r)
             builder_mixed = (f"{r['builder_us_mixed_phase'] / mixed_steps_:.1f}" if "builder_us_mixed_phase" in r
                              else "-")
             lines.append(f"| {row_label(r)} | {r['context']} | {r['batch']} | {r['builder_us_per_step']} | "
-                         f"{r.get('build_decode_us_per_step', '-')} | {builder_mixed} | {per_call} |")
+                         f"{r.get('build_decode_us_per_step', '-')} | {builder_mixed} | {per_call} | "
+                         f"{_mixed_launch_us(r)} |")
         lines.append("")
     tails = [r for r in timed if (r.get("prefix_tail") or 1) > 1]
     if tails:

@@ -6,10 +6,13 @@ chunked prefill (decode requests next to prefill chunks) vLLM runs attention eag
 GPU waits for the host whenever the host is the slower side. ``benchmarks/bench_e2e.py`` measured ~0.4 ms of
 host time per eager ``forward_mqa`` call there (issue 17); this script takes it apart on one GPU, without vLLM's
 engine: per call, the GPU is drained first (so the call never waits for the device), then the call is timed
-with ``time.perf_counter`` and, for our serving path, profiled with cProfile.
+with ``time.perf_counter_ns``; our serving path is then profiled with cProfile in as many more calls (the listing
+only: no time is taken with the profiler on), and ``--breakdown`` splits its time between the launches and our
+Python.
 
     python benchmarks/bench_host.py                       # B 1/32/128 x S 1024/8192, bf16 + fp8
     python benchmarks/bench_host.py --batches 32 --kv-dtypes bf16 --profile-top 25
+    python benchmarks/bench_host.py --breakdown --profile-top 0 # where the serving call's host time goes
     python benchmarks/bench_host.py --cpu-dry              # no GPU: the serving path's Python, launches stubbed
 
 Writes ``host_results.md`` (and the cProfile listings) to ``--out-dir``.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import statistics
 import sys
@@ -45,9 +49,13 @@ class ServingPath:
     """Our decode as vLLM 0.26's eager forward_mqa reaches it: ``serving.DecodeRunner.decode`` into the engine's
     workspace, with the autotuner's warm-up hook (its static table here: no tuning), the (q_nope, q_pe) pair for a
     16-bit cache and the fp8 q for an fp8 cache (what vLLM hands CUTE_MLA on Hopper, ``serving.fp8_query``), the
-    step's longest length and one ``StepPlans`` for every call (the layers after a step's first, which plans)."""
+    step's longest length and one ``StepPlans`` per ``layers`` calls (a step: its first call plans, the others
+    reuse the plan)."""
 
     name = SERVING
+
+    def __init__(self, layers: int = 16):
+        self.layers = layers
 
     def unsupported_reason(self, cell, cc):
         return None
@@ -75,32 +83,117 @@ class ServingPath:
         cache = inputs.kv_caches[0]
         if cell.kv_dtype == "fp8":
             cache = cache.view(torch.uint8)  # vLLM stores an fp8 cache as bytes
+        calls = itertools.count()
         step = StepPlans()
 
-        def launch(i):
+        def launch(i):  # i: the KV copy (always 0 here)
+            nonlocal step
+            if next(calls) % self.layers == 0:  # a step's metadata: its first call plans the step
+                step = StepPlans()
             return runner.decode(q, cache, inputs.block_table, inputs.seq_lens, workspace, q_scale=q_scale,
                                  kv_scale=kv_scale, max_seq_len=cell.seq_len, step=step)
 
         return PeerCall(launch, lambda raw: raw)
 
 
-def host_times_us(call, iters: int, profile: cProfile.Profile | None = None) -> list[float]:
-    """Per call: drain the GPU, then time the call's host side (the launch returns before the kernels end)."""
-    for _ in range(5):
-        call()
+def host_times_us(call, iters: int, split: LaunchSplit | None = None, per_drain: int = 1) -> list[float]:
+    """Per group of ``per_drain`` calls (``call(i)``, i counting calls from 0): drain the GPU, then time the group's
+    host side back to back (the launches return before the kernels end), as a mixed step runs its layers; us per call.
+    With ``split``, also what the calls spent inside their launches (``split.per_call``)."""
+    for i in range(5):
+        call(i)
     out = []
-    for _ in range(iters):
+    for g in range(max(1, iters // per_drain)):
         torch.cuda.synchronize()
-        if profile is not None:
-            profile.enable()
-        t = time.perf_counter()
-        call()
-        dt = time.perf_counter() - t
-        if profile is not None:
-            profile.disable()
-        out.append(dt * 1e6)
+        if split is not None:
+            split.start()
+        t = time.perf_counter_ns()
+        for i in range(per_drain):
+            call(g * per_drain + i)
+        dt = (time.perf_counter_ns() - t) / per_drain
+        if split is not None:
+            split.stop(dt, per_drain)
+        out.append(dt / 1e3)
     torch.cuda.synchronize()
     return out
+
+
+def profiled(call, iters: int, profile: cProfile.Profile) -> None:
+    """``iters`` more calls under cProfile, for its listing only: the profiler costs about a microsecond per
+    Python call made, so no time above is taken with it on (the runs before 2026-11-29 timed the serving path
+    with it on, and the peers without)."""
+    for i in range(iters):
+        torch.cuda.synchronize()
+        profile.enable()
+        call(i)
+        profile.disable()
+    torch.cuda.synchronize()
+
+
+def time_launches(record) -> None:
+    """Wrap cute_sm90's compiled functions (each call: TVM-FFI's argument conversion and the driver's launch) and the
+    combine's launch (kernels/combine) so that every call reports ``record("cute" | "combine", ns)``. Process-wide
+    and once per process, before any workspace keeps a decision (it keeps the functions it decided on)."""
+    import functools
+
+    from mla_backend_plugin.kernels.combine import kernel as combine
+    from mla_backend_plugin.kernels.cute_sm90 import launch as sm90
+
+    def timed(fn, piece: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                record(piece, time.perf_counter_ns() - t)
+        return call
+
+    compiled = sm90._compiled
+    sm90._compiled = functools.cache(lambda variant, use_pdl: timed(compiled(variant, use_pdl), "cute"))
+    combine.launch_combine = timed(combine.launch_combine, "combine")
+
+
+class LaunchSplit:
+    """``--breakdown``: where a serving call's host time goes. Wraps the compiled CuTe functions (the split kernel
+    and the step-plan kernel: their TVM-FFI call, the argument conversion and the driver's launch) and the combine's
+    launch (kernels/combine: the Triton launcher, or the prepared launch) with timers; the rest of a call is our
+    Python. Install once per process, before any workspace keeps a decision (it keeps the functions it decided on)."""
+
+    PIECES = ("cute", "combine")
+
+    def __init__(self) -> None:
+        self.ns = dict.fromkeys(self.PIECES, 0)
+        self.calls = dict.fromkeys(self.PIECES, 0)
+        self.per_call: list[tuple[float, float, float, int, int]] = []  # (whole, cute, combine us, launches)
+
+    def install(self) -> None:
+        time_launches(self._record)
+
+    def _record(self, piece: str, ns: int) -> None:
+        self.ns[piece] += ns
+        self.calls[piece] += 1
+
+    def start(self) -> None:
+        self.ns = dict.fromkeys(self.PIECES, 0)
+        self.calls = dict.fromkeys(self.PIECES, 0)
+
+    def stop(self, whole_ns: float, calls: int = 1) -> None:
+        self.per_call.append((whole_ns / 1e3, self.ns["cute"] / 1e3 / calls, self.ns["combine"] / 1e3 / calls,
+                              self.calls["cute"] / calls, self.calls["combine"] / calls))
+
+    def row(self, label: str, launch_us: float) -> str:
+        """One markdown row: medians of the whole call, of its pieces and of the rest, and the launches per call."""
+        whole, cute, comb, n_cute, n_comb = (statistics.median(c) for c in zip(*self.per_call))
+        rest = statistics.median(w - a - b for w, a, b, _, _ in self.per_call)
+        return (f"| {label} | {whole:.1f} | {cute:.1f} ({n_cute:.2g}) | {comb:.1f} ({n_comb:.2g}) | {rest:.1f} | "
+                f"{launch_us:.1f} |")
+
+
+def torch_launch_us(device, iters: int, per_drain: int) -> float:
+    """Median host us of one small elementwise kernel launched through torch (``zero_``), timed as the calls are:
+    what one launch costs through a C++ dispatcher on this host, beside which the pieces above read."""
+    buf = torch.empty(256, device=device)
+    return summary(host_times_us(lambda i: buf.zero_(), iters, per_drain=per_drain))[0]
 
 
 def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
@@ -144,7 +237,7 @@ def stage_times(cell: Cell, inputs, iters: int) -> list[tuple[str, float]]:
     ]
     rows = []
     for name, fn, launches in stages:
-        rows.append((name, summary(host_times_us(fn, iters) if launches else _loop_us(fn, iters))[0]))
+        rows.append((name, summary(host_times_us(lambda i, f=fn: f(), iters) if launches else _loop_us(fn, iters))[0]))
     return rows
 
 
@@ -298,9 +391,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--profile-top", type=int, default=18, help="cProfile rows of the serving path (0: none)")
     p.add_argument("--stages", action="store_true", help="also time the serving call's stages (first B and S)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="split each serving call's host time: inside the CuTe launches, the combine's launch, the rest")
     p.add_argument("--out-dir", default="host_results")
     p.add_argument("--cpu-dry", action="store_true", help="no GPU: our serving path on CPU tensors, launches stubbed")
-    p.add_argument("--layers", type=int, default=16, help="--cpu-dry: calls per step (one StepPlans each)")
+    p.add_argument("--layers", type=int, default=16,
+                   help="calls per step, timed back to back after one drain of the GPU (one StepPlans each)")
     p.add_argument("--new-batch-each-step", action="store_true",
                    help="--cpu-dry: every step decodes a batch size no earlier step had (as mixed steps do)")
     args = p.parse_args(argv)
@@ -309,7 +405,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     device = torch.device("cuda")
     cc = torch.cuda.get_device_capability(device)
-    runners = [ServingPath()] + [OurKernel(k, "bf16", False) for k in args.kernels.split(",") if k]
+    runners = [ServingPath(args.layers)] + [OurKernel(k, "bf16", False) for k in args.kernels.split(",") if k]
     for name in (n for n in args.peers.split(",") if n):
         ok, why = PEERS[name].available()
         if ok:
@@ -317,9 +413,13 @@ def main(argv=None) -> int:
         else:
             print(f"{name}: not available: {why}", file=sys.stderr)
     lines = ["# Host time of one eager decode call (us: median [p10, p90])", "",
-             f"{torch.cuda.get_device_name(device)}; {args.iters} calls per cell, the GPU drained before each; "
-             f"`{SERVING}` is the path vLLM's forward_mqa takes.", ""]
-    profiles = []
+             f"{torch.cuda.get_device_name(device)}; {args.iters} calls per cell in steps of {args.layers} (the GPU "
+             f"drained before each step, its calls back to back: us per call); `{SERVING}` is the path vLLM's "
+             "forward_mqa takes.", ""]
+    profiles, splits = [], []
+    launch_split = LaunchSplit() if args.breakdown else None
+    if launch_split is not None:
+        launch_split.install()  # once per process: before any workspace keeps a decision
     for kv in args.kv_dtypes.split(","):
         for s in map(int, args.seq_lens.split(",")):
             cells = [Cell(batch=b, seq_len=s, q_len=1, kv_dtype=kv) for b in map(int, args.batches.split(","))]
@@ -335,17 +435,33 @@ def main(argv=None) -> int:
                         results.setdefault(runner.name, []).append("n/a")
                         continue
                     try:
+                        ours = runner.name == SERVING
+                        split = launch_split if ours else None
+                        if split is not None:
+                            split.per_call = []
                         call = runner.prepare(cell, inputs)
-                        prof = cProfile.Profile() if runner.name == SERVING and args.profile_top else None
-                        med, lo, hi = summary(host_times_us(lambda c=call: c.launch(0), args.iters, prof))
+                        timed = host_times_us(lambda i, c=call: c.launch(0), args.iters, split, args.layers)
+                        med, lo, hi = summary(timed)
                         results.setdefault(runner.name, []).append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
-                        if prof is not None:
+                        if split is not None:
+                            splits.append(split.row(cell.label(), torch_launch_us(device, args.iters, args.layers)))
+                        if ours and args.profile_top:
+                            prof = cProfile.Profile()
+                            profiled(lambda i, c=call: c.launch(0), args.iters, prof)
                             profiles.append((cell.label(), profile_text(prof, args.profile_top, args.iters)))
                     except Exception as e:  # noqa: BLE001 - one runner's failure is a row, not the end
                         results.setdefault(runner.name, []).append(f"error: {type(e).__name__}: {str(e)[:80]}")
                 del inputs
                 torch.cuda.empty_cache()
             lines += [f"| {name} | " + " | ".join(texts) + " |" for name, texts in results.items()] + [""]
+    if splits:
+        lines += ["## Where a serving call's host time goes (`--breakdown`, median us per call)", "",
+                  "Inside the compiled CuTe functions (the split kernel, and the step-plan kernel on a step's first "
+                  "call: TVM-FFI's argument conversion and the driver's launch), inside the combine's launch, and "
+                  "the rest (our Python); launches per call in brackets; beside them one `torch.zero_` launch on the "
+                  "same host.", "",
+                  "| cell | whole call | CuTe calls | combine launch | the rest | one torch launch |",
+                  "|---|---:|---:|---:|---:|---:|", *splits, ""]
     if args.stages:
         cell = Cell(batch=int(args.batches.split(",")[0]), seq_len=int(args.seq_lens.split(",")[0]), q_len=1,
                     kv_dtype="bf16")
