@@ -58,6 +58,28 @@ def test_a_background_build_serves_the_first_use(monkeypatch, caplog):
 
 
 @dsl_only
+def test_the_step_plan_kernel_builds_in_the_background_with_the_split_kernel(monkeypatch):
+    """cute_sm90's prebuild starts the step-plan kernel too (every launch plans its step with it; the child rebuilds
+    a ``PlanVariant``, not a ``Variant``): an engine's first call then compiles nothing in-process."""
+    from mla_backend_plugin.ops import prepare_args
+    from mla_backend_plugin.ops.manifest import LaunchConfig
+    from mla_backend_plugin.testing import make_decode_inputs
+
+    inputs = make_decode_inputs(2, [70, 5], 1, 128, 64, torch.bfloat16, "pair", "cpu", 0)
+    args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                        softmax_scale=inputs.softmax_scale)
+    cfg = LaunchConfig(enable_pdl=True)
+    monkeypatch.setattr(launch, "variant_for", lambda a, c: VARIANT)
+    monkeypatch.setattr(background, "start", lambda cache, variant, pdl, arch, _start=background.start:
+                        variant == launch.STEP_PLAN and _start(cache, variant, pdl, arch))  # the plan kernel only
+    assert launch.prebuild(args, cfg, (9, 0))
+    assert [b.name for b in background._BUILDS.values()] == [launch.STEP_PLAN.name]
+    monkeypatch.setattr(launch, "compile_variant", lambda *a, **k: pytest.fail("compiled in-process"))
+    launch._compiled(launch.STEP_PLAN, True)  # waits for the child's build, then loads it
+    assert AOT.check_entry(launch.STEP_PLAN, True, "sm_90a")[0] is not None and not background._BUILDS
+
+
+@dsl_only
 def test_a_failed_background_build_falls_back_to_compiling_here():
     broken = dataclasses.replace(AOT, builder_module="mla_backend_plugin.no_such_module")
     assert broken.cache_key(VARIANT, False, "sm_90a") == AOT.cache_key(VARIANT, False, "sm_90a")

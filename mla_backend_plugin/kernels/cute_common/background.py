@@ -48,6 +48,9 @@ class Build:
 _BUILDS: dict[str, Build] = {}  # cache key -> this process's build of it
 
 
+VARIANT_CLASS = "__class__"  # the variant's class name in the child's JSON (the rest: its fields)
+
+
 def start(cache, variant, use_pdl: bool, arch: str) -> bool:
     """Start building ``variant`` into the on-disk cache in a child process; True when a build is (now) running
     for it. Does nothing when the cache holds a usable entry, the cache is off, or the DSL cannot compile here."""
@@ -65,7 +68,8 @@ def start(cache, variant, use_pdl: bool, arch: str) -> bool:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, cache.builder_module, json.dumps(dataclasses.asdict(variant)),
+            [sys.executable, "-m", __name__, cache.builder_module,
+             json.dumps({VARIANT_CLASS: type(variant).__name__, **dataclasses.asdict(variant)}),
              "1" if use_pdl else "0", arch], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
     _BUILDS[key] = Build(variant.name, proc, log_path, time.monotonic())
     logger.info("mla_decode: %s: building %s (pdl %s, %s) in the background (pid %d)", cache.family, variant.name,
@@ -109,9 +113,11 @@ def _tail(path: str, limit: int = 2000) -> str:
 
 def build_entry(module: str, variant_fields: dict, use_pdl: bool, arch: str) -> str:
     """Child side: the family's ``compile_variant`` exported into the cache, unless another process did it
-    first (checked again under the entry's lock). Returns what it did."""
+    first (checked again under the entry's lock). ``variant_fields`` names the variant's class in the family's
+    module (``Variant``, or cute_sm90's ``PlanVariant``, the step-plan kernel). Returns what it did."""
     family = importlib.import_module(module)
-    variant = family.Variant(**variant_fields)
+    fields = dict(variant_fields)
+    variant = getattr(family, fields.pop(VARIANT_CLASS, "Variant"))(**fields)
     cache = family.AOT
     if cache.check_entry(variant, use_pdl, arch)[0]:
         return "already cached"

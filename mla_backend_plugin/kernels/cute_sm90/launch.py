@@ -195,9 +195,11 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
 
 
 def prebuild(args, config: LaunchConfig, cc) -> bool:
-    """Start compiling the variant ``launch(args, ..., config)`` runs in a background process
-    (cute_common/background.py); True when a build is running."""
-    return background.start(AOT, variant_for(args, config), config.enable_pdl, ARCH)
+    """Start compiling what ``launch(args, ..., config)`` runs in background processes (cute_common/background.py):
+    the variant and the step-plan kernel (every launch plans its step with it); True when a build is running."""
+    split = background.start(AOT, variant_for(args, config), config.enable_pdl, ARCH)
+    step_plan = background.start(AOT, STEP_PLAN, config.enable_pdl, ARCH)
+    return split or step_plan
 
 
 @functools.cache
