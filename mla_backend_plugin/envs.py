@@ -183,6 +183,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "filled by `python -m mla_backend_plugin.compile --into-package` before a wheel is built) when "
            "`CUTE_MLA_CUTE_CACHE` lacks them: an engine's first start then compiles nothing. `0` ignores them.",
            kind="bool"),
+    EnvVar("CUTE_MLA_DECODE_WARMUP", True,
+           "vLLM and SGLang: at the engine's warm-up (its first metadata build outside CUDA-graph capture), one eager "
+           "decode of every batch size and q_len its eager steps can bring, on stand-in inputs, so that what they "
+           "launch (the split plans, the Triton combine's specialisations) is ready before the first request; `0` "
+           "leaves that to the first calls (ops/serving.py `warm_up_decode`).", kind="bool"),
     EnvVar("CUTE_MLA_PREBUILD", False,
            "vLLM: `1` starts compiling the CuTe-DSL variants the engine's decode will launch in background "
            "processes at model construction (into `CUTE_MLA_CUTE_CACHE`) instead of on their first call. Off by "

@@ -452,6 +452,50 @@ def test_warm_up_hook_runs_once_and_never_during_capture(monkeypatch):
     assert broken.report == {}
 
 
+def test_decode_warm_up_runs_every_batch_and_q_len_the_eager_steps_can_bring(monkeypatch):
+    """warm_up_decode: one serving call per (q_len 1 .. the workspace's, batch 1 .. the workspace's), with the
+    deployment's q form and scale form and the profile's choice (max_seq_len None); a q_len no kernel serves is
+    skipped, not fatal. run_once runs it once, given the engine's workspace, on a GPU device only, unless
+    CUTE_MLA_DECODE_WARMUP=0 (an n-gram engine JIT-compiled the combine's q_len-1 plans during inference)."""
+    from mla_backend_plugin.ops import serving
+
+    seen = []
+
+    class Recorder(serving.DecodeRunner):
+        def decode(self, q, kv_cache, block_table, seq_lens, workspace, **kw):
+            rows, batch = q.shape[0], block_table.shape[0]
+            if rows // batch == 2 and batch == 3:
+                raise ValueError("no kernel for this shape")
+            seen.append((rows // batch, batch, q.dtype, kv_cache.dtype, type(kw["kv_scale"]), kw["max_seq_len"]))
+
+    monkeypatch.setattr(serving, "DecodeRunner", Recorder)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    dep = serving.make_deployment(num_heads=128, max_num_seqs=4, num_speculative_tokens=1,
+                                  model_dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=64,
+                                  max_model_len=4096, fp8_query=True)
+    ws = MLAWorkspace("cpu", max_batch=4, max_q_len=2, num_heads=128, num_sms=4, out_dtype=torch.bfloat16)
+    report = serving.warm_up_decode(dep, ws)
+    assert [(q, b) for q, b, *_ in seen] == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2)]
+    fp8 = torch.float8_e4m3fn
+    assert all(x[2:] == (fp8, fp8, torch.Tensor, None) for x in seen)  # fp8 q, fp8 cache, tensor scales
+    assert report["calls"] == 6 and len(report["skipped"]) == 1 and "q_len 2" in report["skipped"][0]
+
+    ran = []
+    monkeypatch.setattr(serving, "warm_up_decode", lambda d, w: ran.append(w) or {"calls": 1})
+    monkeypatch.setattr(autotune, "prepare_deployment", lambda *a, **k: {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    serving.DeploymentTuning(dep).run_once("cpu", ws)  # no GPU: nothing to warm up
+    serving.DeploymentTuning(dep).run_once("cuda:0")  # no workspace (an engine's hook without one)
+    hook = serving.DeploymentTuning(dep)
+    hook.run_once("cuda:0", ws)
+    hook.run_once("cuda:0", ws)
+    assert ran == [ws] and hook.report["warm_up"] == {"calls": 1}
+    monkeypatch.setenv("CUTE_MLA_DECODE_WARMUP", "0")
+    serving.DeploymentTuning(dep).run_once("cuda:0", ws)
+    assert ran == [ws]
+
+
 def test_decode_does_no_warm_up_and_picks_by_the_length_the_engine_may_use(monkeypatch):
     """The warm-up is the builder's (DeploymentTuning.run_once on its first build): a decode call passes on the
     length its metadata holds, which is the step's longest for an eager engine and None under full decode graphs

@@ -61,3 +61,39 @@ def test_repeat_eager_calls_take_the_prepared_combine_launch(kernel, kv_dtype, m
     replay_with(graph, inp, new, out, lse)
     ref_out, ref_lse = new.reference()
     assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"{kernel} graph replay")
+
+
+def _combine_specialisations() -> int:
+    """Compiled specialisations of the Triton combine kernels on every device (Triton's per-device kernel cache)."""
+    return sum(len(cache[0]) for fn in (combine.combine_balanced_kernel, combine.combine_uniform_kernel)
+               for cache in fn.device_caches.values())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_decode_warm_up_leaves_nothing_to_compile_for_the_eager_steps(kv_cache_dtype):
+    """An n-gram engine (q_len 2 graphs) after ``warm_up_decode``: eager serving calls at q_len 1 and 2 (steps with
+    requests that have no draft, chunked prefill beside decodes) at batch sizes no graph has compile nothing more,
+    and are right (outputs poisoned before each, against the float32 reference)."""
+    from mla_backend_plugin.ops import serving
+
+    fp8 = kv_cache_dtype == "fp8"
+    dep = serving.make_deployment(num_heads=128, max_num_seqs=24, num_speculative_tokens=1,
+                                  model_dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block_size=64,
+                                  max_model_len=4096, fp8_query=fp8)
+    ws = serving.make_workspace("cuda", max_num_seqs=24, num_speculative_tokens=1, num_heads=128,
+                                out_dtype=torch.bfloat16)
+    report = serving.warm_up_decode(dep, ws)
+    assert report["calls"] == ws.max_batch * ws.max_q_len and not report["skipped"], report
+    before = _combine_specialisations()
+    runner = serving.DecodeRunner(0.07, "fp8" if fp8 else "auto")
+    for i, (batch, q_len) in enumerate([(3, 1), (17, 1), (5, 2), (23, 2), (11, 1)]):
+        lens = [int(x) for x in torch.randint(q_len, 3000, (batch,), generator=torch.Generator().manual_seed(i))]
+        inp = make_decode_inputs(batch, lens, q_len, 128, 64, FP8_DTYPE if fp8 else torch.bfloat16,
+                                 "fp8" if fp8 else "pair", "cuda", 40 + i, q_scale=0.5 if fp8 else None,
+                                 kv_scale=2.0 if fp8 else None, softmax_scale=0.07)
+        ws.output_views(batch * q_len)[0].fill_(float("nan"))
+        out, lse = runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws, max_seq_len=None,
+                                 **inp.scale_kwargs(as_tensor=True))
+        torch.cuda.synchronize()
+        assert_close_decode(out, lse, *inp.reference(), inp.kv_cache.dtype, msg=f"B={batch} q_len={q_len}")
+    assert _combine_specialisations() == before, "an eager call compiled a combine specialisation"

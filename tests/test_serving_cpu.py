@@ -191,9 +191,17 @@ def test_make_workspace_leaves_room_for_token_requests():
     ws = serving.make_workspace("cpu", max_num_seqs=4, num_speculative_tokens=0, num_heads=16,
                                 out_dtype=torch.bfloat16, token_requests=True)
     assert (ws.max_batch, ws.max_q_len) == (serving.TOKEN_REQUEST_SLICE, 4)
+    # with speculation, a step of mixed q_lens in one call: 256 requests of up to 2 tokens, one token request
+    # each at 128 heads, and the engine's padding
     ws = serving.make_workspace("cpu", max_num_seqs=256, num_speculative_tokens=1, num_heads=128,
                                 out_dtype=torch.bfloat16, token_requests=True)
+    assert (ws.max_batch, ws.max_q_len) == (2 * 256 + serving.TOKEN_REQUEST_PADDING, 2)
+    ws = serving.make_workspace("cpu", max_num_seqs=256, num_speculative_tokens=1, num_heads=128,
+                                out_dtype=torch.bfloat16, token_requests=False)
     assert (ws.max_batch, ws.max_q_len) == (256, 2)
+    ws = serving.make_workspace("cpu", max_num_seqs=64, num_speculative_tokens=3, num_heads=16,
+                                out_dtype=torch.bfloat16, token_requests=True)  # 4 tokens a token request
+    assert (ws.max_batch, ws.max_q_len) == (serving.TOKEN_REQUEST_SLICE, 4)
 
 
 def test_runner_runs_more_requests_than_the_workspace_in_slices(monkeypatch):

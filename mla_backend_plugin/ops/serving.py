@@ -57,6 +57,9 @@ def max_decode_q_len(num_speculative_tokens: int | None) -> int:
 # workspace of this many requests when it decodes short prefills, so that a 100-token tail is one or two launches
 # (128 requests x 2 m-blocks fill an H100) rather than one per max_num_seqs tokens.
 TOKEN_REQUEST_SLICE = 128
+# An engine pads a step's tokens up to its next CUDA-graph size (vLLM: multiples of 8 up to 256, then of 16); a
+# speculative step's token requests count that padding too
+TOKEN_REQUEST_PADDING = 16
 # Query rows (q_len x heads) one CTA of the CuTe kernels owns (cute_sm90, and each CTA of cute_sm100's pair):
 # token requests take this many rows of query tokens, so that small head counts fill the tile as MTP does.
 TOKEN_REQUEST_ROWS = 64
@@ -274,12 +277,17 @@ def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | N
     and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture.
     ``num_heads``: the query heads of one decode call (under DCP the rank's heads x the DCP size).
     ``token_requests``: the engine also decodes short prefills (``TokenRequests``): room for slices of at least
-    TOKEN_REQUEST_SLICE requests of their q_len."""
+    TOKEN_REQUEST_SLICE requests of their q_len, and with speculation for a whole step of mixed q_lens (requests
+    with and without drafts) in one call: in slices, each layer would launch the step-plan kernel, the split
+    kernel and the combine once per slice (2026-11-28, n-gram 1 at 128 requests: 3 CuTe launches and 1.7 combines
+    per eager call, 290 us of host time a call)."""
     check_num_heads(num_heads)
     max_batch, max_q_len = max_num_seqs, max_decode_q_len(num_speculative_tokens)
     if token_requests:
-        max_batch = max(max_batch, TOKEN_REQUEST_SLICE)
-        max_q_len = max(max_q_len, token_request_q_len(num_heads))
+        per_token_request = token_request_q_len(num_heads)
+        spec_step = max_num_seqs * -(-max_q_len // per_token_request) + TOKEN_REQUEST_PADDING if max_q_len > 1 else 0
+        max_batch = max(max_batch, TOKEN_REQUEST_SLICE, spec_step)
+        max_q_len = max(max_q_len, per_token_request)
     # room for every split cap a tuned launch config may ask for (the default cap stays the workspace's)
     return MLAWorkspace(device, max_batch=max_batch, max_q_len=max_q_len, num_heads=num_heads, out_dtype=out_dtype,
                         split_capacity=SPLIT_CAPACITY)
@@ -368,7 +376,9 @@ class DeploymentTuning:
         length, known on the host, for an eager engine; None under full CUDA graphs (``host_lengths=False``)."""
         return max_seq_len if self.host_lengths else None
 
-    def run_once(self, device) -> None:
+    def run_once(self, device, workspace: MLAWorkspace | None = None) -> None:
+        """Once, outside capture: the tuning above, then (given the engine's ``workspace``, on a GPU, unless
+        ``CUTE_MLA_DECODE_WARMUP=0``) ``warm_up_decode``: every decode shape the engine's eager steps can bring."""
         if self.report is not None:
             return
         device = torch.device(device)
@@ -380,6 +390,49 @@ class DeploymentTuning:
         except Exception as e:  # noqa: BLE001 - tuning must never take the engine down: the static table serves
             logger.warning("mla_decode: autotune: warm-up tuning failed, the static kernel table is used: %s: %s",
                            type(e).__name__, e)
+        if workspace is not None and device.type == "cuda" and envs.CUTE_MLA_DECODE_WARMUP:
+            try:
+                self.report["warm_up"] = warm_up_decode(self.deployment, workspace)
+            except Exception as e:  # noqa: BLE001 - a failed warm-up only leaves work to the first calls
+                logger.warning("mla_decode: decode warm-up failed (first calls of new shapes compile what they "
+                               "need): %s: %s", type(e).__name__, e)
+
+
+def warm_up_decode(deployment: autotune.Deployment, workspace: MLAWorkspace) -> dict:
+    """One eager decode of every shape an engine's eager steps can bring, before its first request: every batch
+    size 1 .. ``workspace.max_batch`` at every q_len 1 .. ``workspace.max_q_len``, through the serving call
+    (``DecodeRunner.decode`` into ``workspace``) on stand-in inputs of one page per request, with the deployment's
+    dtypes, q form and scale form. An engine's CUDA-graph warm-up runs only its graph sizes at its decode q_len;
+    its eager steps (chunked prefill beside decodes, and with speculation the steps with requests that have no
+    draft: q_len 1, or token requests) bring other batch sizes and q_lens, and what a call launches depends on
+    them: the split plan is made per (batch, q_len), and Triton compiles the split-KV combine once per plan
+    constants (the 2026-11-28 n-gram serving run JIT-compiled it during inference: its p99 TTFT was 868 ms against
+    FA3-MLA's 123). The kernels' choice follows the context profile (``max_seq_len`` None, as under full
+    graphs). Returns {"calls", "seconds", "skipped"} (q_lens no kernel serves at this deployment)."""
+    import time
+
+    t0 = time.perf_counter()
+    cc = torch.cuda.get_device_capability(workspace.device)
+    runner = DecodeRunner(1.0 / 24.0, "fp8" if deployment.kv_dtype == "fp8" else "auto")
+    calls, skipped = 0, []
+    for q_len in range(1, workspace.max_q_len + 1):
+        key = autotune.ShapeKey(tuple(cc), deployment.kv_dtype, deployment.q_dtype, deployment.out_dtype,
+                                deployment.num_heads, q_len, deployment.block_size, deployment.q_form,
+                                deployment.scale_form, workspace.max_batch, deployment.block_size, deployment.lse)
+        inputs, _ = autotune.tuning_inputs(key, workspace.device, max_blocks=1)
+        scales = inputs.scale_kwargs(as_tensor=deployment.scale_form == "tensor")
+        try:
+            for batch in range(1, workspace.max_batch + 1):
+                runner.decode(_rows(inputs.q, slice(0, batch * q_len)), inputs.kv_cache, inputs.block_table[:batch],
+                              inputs.seq_lens[:batch], workspace, max_seq_len=None, **scales)
+                calls += 1
+        except ValueError as e:  # no kernel for this q_len here (e.g. a head count's q_len limit): not ours to run
+            skipped.append(f"q_len {q_len}: {e}")
+    torch.cuda.synchronize(workspace.device)
+    seconds = time.perf_counter() - t0
+    logger.info("mla_decode: decode warm-up: %d eager calls (batch 1-%d x q_len 1-%d) in %.1f s%s", calls,
+                workspace.max_batch, workspace.max_q_len, seconds, f"; skipped {skipped}" if skipped else "")
+    return {"calls": calls, "seconds": round(seconds, 2), "skipped": skipped}
 
 
 class DecodeRunner:

@@ -180,7 +180,8 @@ class CuteMLAAttnBackend(TritonAttnBackend):
         if not self._serves(forward_batch):
             super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
             return
-        self.tuning.run_once(self.device)  # the autotuner's warm-up (ops/serving.py): acts once, outside capture
+        # the autotuner's and the decode warm-up (ops/serving.py): acts once, outside capture
+        self.tuning.run_once(self.device, self.workspace)
         batch = forward_batch.batch_size
         q_len = self._step_q_len(forward_batch)
         page_table, seq_lens = self.tables.views(batch)

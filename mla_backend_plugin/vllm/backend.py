@@ -102,7 +102,7 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       **kwargs) -> CuteMLADecodeMetadata:
-        self.tuning.run_once(self.workspace.device)  # acts once
+        self.tuning.run_once(self.workspace.device, self.workspace)  # acts once
         dcp_tot_seq_lens = compat.dcp_tot_seq_lens(kwargs)
         if self.dcp_world_size == 1:
             num_tokens = kwargs["num_decode_tokens"]
