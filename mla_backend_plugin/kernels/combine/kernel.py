@@ -175,11 +175,17 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def _hooks_unset() -> bool:
-    """Triton's launch hooks: None (older versions) or an empty HookChain (3.6)."""
+@functools.cache
+def _runtime_knobs():
     from triton import knobs
 
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    return knobs.runtime
+
+
+def _hooks_unset() -> bool:
+    """Triton's launch hooks: None (older versions) or an empty HookChain (3.6)."""
+    runtime = _runtime_knobs()
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
@@ -192,12 +198,18 @@ def _stream_getter():
     return driver.active.get_current_stream
 
 
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if type(a) is int:
-        return int, a
-    return type(a)
+def _specialisation(args) -> tuple:
+    """What Triton specialises a launch's runtime arguments on: each tensor's dtype and 16-byte alignment, each
+    int's value, each other argument's type (one loop, no call per argument: this runs on every launch)."""
+    key = []
+    for a in args:
+        if type(a) is int:
+            key.append(a)
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        else:
+            key.append(type(a))
+    return tuple(key)
 
 
 def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, use_pdl: bool) -> str:
@@ -209,7 +221,7 @@ def prepared_launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: i
         fn[grid](*args, **constexprs, num_warps=num_warps, **extra)
         return "triton"
     device = args[0].device.index
-    key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), tuple(map(_arg_key, args)))
+    key = (fn, grid, device, num_warps, use_pdl, tuple(constexprs.items()), _specialisation(args))
     prepared = _PREPARED.get(key)
     if prepared is not None and _hooks_unset():
         compiled, tail, get_stream = prepared
