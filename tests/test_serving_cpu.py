@@ -202,6 +202,10 @@ def test_make_workspace_leaves_room_for_token_requests():
     ws = serving.make_workspace("cpu", max_num_seqs=64, num_speculative_tokens=3, num_heads=16,
                                 out_dtype=torch.bfloat16, token_requests=True)  # 4 tokens a token request
     assert (ws.max_batch, ws.max_q_len) == (serving.TOKEN_REQUEST_SLICE, 4)
+    # more draft tokens: slices (a workspace for the whole step would hold max_q_len times the rows it needs)
+    ws = serving.make_workspace("cpu", max_num_seqs=256, num_speculative_tokens=3, num_heads=128,
+                                out_dtype=torch.bfloat16, token_requests=True)
+    assert (ws.max_batch, ws.max_q_len) == (256, 4)
 
 
 def test_runner_runs_more_requests_than_the_workspace_in_slices(monkeypatch):

@@ -277,15 +277,18 @@ def make_workspace(device, *, max_num_seqs: int, num_speculative_tokens: int | N
     and the output buffers decode returns views of. Make it before warm-up and CUDA-graph capture.
     ``num_heads``: the query heads of one decode call (under DCP the rank's heads x the DCP size).
     ``token_requests``: the engine also decodes short prefills (``TokenRequests``): room for slices of at least
-    TOKEN_REQUEST_SLICE requests of their q_len, and with speculation for a whole step of mixed q_lens (requests
-    with and without drafts) in one call: in slices, each layer would launch the step-plan kernel, the split
-    kernel and the combine once per slice (2026-11-28, n-gram 1 at 128 requests: 3 CuTe launches and 1.7 combines
-    per eager call, 290 us of host time a call)."""
+    TOKEN_REQUEST_SLICE requests of their q_len, and with one draft token (MTP's or n-gram's) for a whole step of
+    mixed q_lens (requests with and without a draft) in one call: in slices, each layer would launch the
+    step-plan kernel, the split kernel and the combine once per slice (2026-11-28, n-gram 1 at 128 requests: 3 CuTe
+    launches and 1.7 combines per eager call, 290 us of host time a call). Not with more draft tokens: the buffers
+    hold max_batch requests at every q_len up to max_q_len, so a workspace of the whole step's token requests would
+    be max_q_len times the rows the step needs (at 128 heads, 256 requests and 3 drafts: 522 MiB against 129); those
+    steps run in slices."""
     check_num_heads(num_heads)
     max_batch, max_q_len = max_num_seqs, max_decode_q_len(num_speculative_tokens)
     if token_requests:
         per_token_request = token_request_q_len(num_heads)
-        spec_step = max_num_seqs * -(-max_q_len // per_token_request) + TOKEN_REQUEST_PADDING if max_q_len > 1 else 0
+        spec_step = max_num_seqs * -(-max_q_len // per_token_request) + TOKEN_REQUEST_PADDING if max_q_len == 2 else 0
         max_batch = max(max_batch, TOKEN_REQUEST_SLICE, spec_step)
         max_q_len = max(max_q_len, per_token_request)
     # room for every split cap a tuned launch config may ask for (the default cap stays the workspace's)
