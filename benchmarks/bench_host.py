@@ -20,8 +20,8 @@ Writes ``host_results.md`` (and the cProfile listings) to ``--out-dir``.
 ``--cpu-dry`` runs on any machine: the serving path as vLLM's eager forward_mqa calls it (q as vLLM 0.26 builds
 it, a StepPlans per step shared by ``--layers`` calls, ``max_seq_len`` given), on CPU tensors, with the device
 queries answering for an H100 and what needs a GPU stubbed: the compiled CuTe function (and its TVM-FFI argument
-conversion), the stream handle, the Triton combine's launch and the capture queries. What it times is our Python
-between ``forward_mqa`` and the launch, which those stubs leave out.
+conversion), the stream handle, Triton's compile and launcher (the combine's launch Python runs) and the capture
+queries. What it times is our Python between ``forward_mqa`` and the launches, which those stubs leave out.
 """
 
 from __future__ import annotations
@@ -264,9 +264,29 @@ def profile_text(profile: cProfile.Profile, top: int, calls: int) -> str:
     return f"(cProfile over {calls} calls: divide the times by {calls} for one call)\n" + stream.getvalue()
 
 
+class _DryTritonKernel:
+    """--cpu-dry: a Triton kernel's stand-in with the real one's parameters, whose launches compile and run
+    nothing: the combine's launch Python (kernels/combine ``launch_combine`` and ``prepared_launch``) runs as on a
+    GPU, up to Triton's own launcher."""
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        @staticmethod
+        def run(*args):
+            return None
+
+    def __init__(self, real):
+        self.params, self.arg_names = real.params, real.arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.Compiled()
+
+
 def install_cpu_stubs() -> None:
-    """--cpu-dry: device queries answer for an H100 (sm_90, 132 SMs); compiled kernels, the stream handle and the
-    Triton combine launch are no-ops. Process-global: only for a process that runs nothing else."""
+    """--cpu-dry: device queries answer for an H100 (sm_90, 132 SMs); compiled kernels, the stream handle and
+    Triton's compile and launcher are no-ops (the combine's launch Python runs: ``_DryTritonKernel``). CPU tensors
+    say they are CUDA ones. Process-global: only for a process that runs nothing else."""
     import functools
 
     from mla_backend_plugin.kernels.combine import kernel as combine
@@ -284,7 +304,10 @@ def install_cpu_stubs() -> None:
     sm90._compiled = functools.cache(lambda variant, use_pdl: kernel)
     sm90.current_cu_stream = lambda device: None
     sm90._device_sms = lambda index: 132
-    combine.launch_combine = lambda *args, **kwargs: None
+    combine.combine_balanced_kernel = _DryTritonKernel(combine.combine_balanced_kernel)
+    combine.combine_uniform_kernel = _DryTritonKernel(combine.combine_uniform_kernel)
+    combine._stream_getter = lambda: (lambda device: 0)
+    torch.Tensor.is_cuda = property(lambda t: True)  # the prepared launch is taken for device tensors only
 
 
 def vllm_decode_inputs(batch: int, seq_len: int, kv_dtype: str, num_heads: int = 128, block_size: int = 64):
