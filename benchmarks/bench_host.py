@@ -120,8 +120,8 @@ def host_times_us(call, iters: int, split: LaunchSplit | None = None, per_drain:
 
 def profiled(call, iters: int, profile: cProfile.Profile) -> None:
     """``iters`` more calls under cProfile, for its listing only: the profiler costs about a microsecond per
-    Python call made, so no time above is taken with it on (the runs before 2026-11-29 timed the serving path
-    with it on, and the peers without)."""
+    Python call made, so no time above is taken with it on (the runs before 2026-11-28's fix timed the serving
+    path with it on, and the peers without)."""
     for i in range(iters):
         torch.cuda.synchronize()
         profile.enable()
@@ -162,9 +162,9 @@ class LaunchSplit:
     PIECES = ("cute", "combine")
 
     def __init__(self) -> None:
-        self.ns = dict.fromkeys(self.PIECES, 0)
-        self.calls = dict.fromkeys(self.PIECES, 0)
-        self.per_call: list[tuple[float, float, float, int, int]] = []  # (whole, cute, combine us, launches)
+        self.start()
+        # per timed group, per call: (whole us, cute us, combine us, cute launches, combine launches)
+        self.per_call: list[tuple[float, float, float, float, float]] = []
 
     def install(self) -> None:
         time_launches(self._record)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -412,8 +413,6 @@ def warm_up_decode(deployment: autotune.Deployment, workspace: MLAWorkspace) -> 
     constants (the 2026-11-28 n-gram serving run JIT-compiled it during inference: its p99 TTFT was 868 ms against
     FA3-MLA's 123). The kernels' choice follows the context profile (``max_seq_len`` None, as under full
     graphs). Returns {"calls", "seconds", "skipped"} (q_lens no kernel serves at this deployment)."""
-    import time
-
     t0 = time.perf_counter()
     cc = torch.cuda.get_device_capability(workspace.device)
     runner = DecodeRunner(1.0 / 24.0, "fp8" if deployment.kv_dtype == "fp8" else "auto")
