@@ -85,13 +85,15 @@ def test_the_decode_warm_up_leaves_nothing_to_compile_for_the_eager_steps(kv_cac
     report = serving.warm_up_decode(dep, ws)
     assert report["calls"] == ws.max_batch * ws.max_q_len and not report["skipped"], report
     before = _combine_specialisations()
+    assert before > 0, "the warm-up launched no combine: the calls below would check nothing"
     runner = serving.DecodeRunner(0.07, "fp8" if fp8 else "auto")
     for i, (batch, q_len) in enumerate([(3, 1), (17, 1), (5, 2), (23, 2), (11, 1)]):
         lens = [int(x) for x in torch.randint(q_len, 3000, (batch,), generator=torch.Generator().manual_seed(i))]
         inp = make_decode_inputs(batch, lens, q_len, 128, 64, FP8_DTYPE if fp8 else torch.bfloat16,
                                  "fp8" if fp8 else "pair", "cuda", 40 + i, q_scale=0.5 if fp8 else None,
                                  kv_scale=2.0 if fp8 else None, softmax_scale=0.07)
-        ws.output_views(batch * q_len)[0].fill_(float("nan"))
+        for t in ws.output_views(batch * q_len):  # out and lse poisoned before each call
+            t.fill_(float("nan"))
         out, lse = runner.decode(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, ws, max_seq_len=None,
                                  **inp.scale_kwargs(as_tensor=True))
         torch.cuda.synchronize()
