@@ -152,6 +152,13 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90, the default of `LaunchConfig.fused_combine`: when a split-KV grid fits on the GPU at once "
            "(small batches), merge the splits inside the split kernel (one launch) instead of a second combine "
            "kernel; `0` always launches the combine kernel.", kind="bool"),
+    EnvVar("CUTE_MLA_LAST_CTA_COMBINE", "eager",
+           "cute_sm90, split-KV grids too large to fit on the GPU at once: each request's last CTA to finish "
+           "merges its partials inside the split kernel (nobody waits), so the call is one launch. `eager`: in "
+           "calls outside CUDA-graph capture (a mixed step's eager attention: the combine kernel's launch is "
+           "host time), the combine kernel in graphs; `always`; `never`: the combine kernel. The default of "
+           "`LaunchConfig.last_cta_combine`; off under `CUTE_MLA_FUSED_COMBINE=0`.", kind="choice",
+           choices=("eager", "always", "never")),
     EnvVar("CUTE_MLA_PREPARED_COMBINE", True,
            "Launch a repeated split-KV combine (same shapes, strides, alignment and constants as an earlier launch) "
            "straight through the compiled Triton kernel's launcher, skipping Triton's per-launch Python (Triton "

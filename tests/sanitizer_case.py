@@ -1,7 +1,8 @@
 """A small decode run of one kernel (argv[1]) for compute-sanitizer (memcheck / racecheck); run by
 tests/test_kernel_features_gpu.py.
 
-Covers the split (cute_sm90: with the combine fused into the split kernel and separate) and the unsplit path,
+Covers the split (cute_sm90: with the combine fused into the split kernel, by all of a request's CTAs or by its last
+one, and separate) and the unsplit path,
 bf16 and fp8 KV, a request shorter than q_len and an empty one (and for cute_sm90 fp8 design C at 128 heads); checks
 the results against the reference too, and prints SANITIZER_OK at the end.
 """
@@ -38,6 +39,18 @@ def main(kernel: str) -> None:
         assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype,
                             msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
     if kernel == "cute_sm90":
+        # a grid too large to be resident at once (24 requests x 128 heads: 178 CTAs on 132 SMs): each request's
+        # last CTA merges its partials (LAST_CTA)
+        os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
+        lens = [1500, 700, 64 * 5 + 3, 1, 0, 900, 1200, 2000] * 3
+        inp = make_decode_inputs(24, lens, 1, 128, 64, torch.bfloat16, "pair", "cuda", 9)
+        ws = MLAWorkspace("cuda", max_batch=24, max_q_len=1, num_heads=128)
+        out, lse = inp.poisoned_outputs()
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
+                   kernel=kernel, **inp.scale_kwargs())
+        torch.cuda.synchronize()
+        ref_out, ref_lse = inp.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg="sanitizer case last-CTA combine")
         # fp8 design C at the serving shape (128 heads, an fp8 q, q_len 2): its consumer groups meet through
         # mbarriers of 128 arrivals and 256-thread named barriers; a 128-thread named barrier here once drew
         # racecheck hazard reports (kernel_fp8seesaw.py)

@@ -341,10 +341,10 @@ def test_lookup_is_graph_safe(fakes, monkeypatch):
     tuned.set_seq_profile([32000])
     profile_choice = tuned.lookup(args, HOPPER)
     assert profile_choice.label == "fast:balanced pdl"
-    monkeypatch.setattr(tuned, "_capturing", lambda device: True)
+    monkeypatch.setattr(tuned, "stream_capturing", lambda device: True)
     # under capture the host's length is ignored: one graph serves every length
     assert tuned.lookup(args, HOPPER, max_seq_len=900) is profile_choice
-    monkeypatch.setattr(tuned, "_capturing", lambda device: False)
+    monkeypatch.setattr(tuned, "stream_capturing", lambda device: False)
     tuned.set_seq_profile(None)
     monkeypatch.setenv("CUTE_MLA_TUNE_SEQ_LENS", "1000,30000")
     assert tuned.seq_profile() == (1024, 32768)

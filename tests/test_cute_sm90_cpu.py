@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.cute_common import aot, host
+from mla_backend_plugin.kernels.cute_common.host import COOPERATIVE, LAST_CTA
 from mla_backend_plugin.kernels.cute_sm90 import config, launch
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT, unsupported_reason
 from mla_backend_plugin.ops import LaunchConfig, constants, prepare_args
@@ -548,9 +549,12 @@ def test_fused_combine_only_when_the_grid_fits_at_once(monkeypatch):
 
 
 def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkeypatch):
-    """The host half of the fused combine: the split kernel is told to fuse (flag 1, the workspace's counters)
-    exactly when no combine kernel follows, and told not to (flag 0) whenever one does: a launch that did both or
-    neither would merge twice or leave the output unwritten. The compiled kernel and the combine are stand-ins."""
+    """The host half of the fused combine: the split kernel is told to merge (mode COOPERATIVE where the grid
+    fits at once, LAST_CTA where it does not, with the workspace's counters) exactly when no combine kernel
+    follows, and told not to (mode 0) whenever one does: a launch that did both or neither would merge twice or
+    leave the output unwritten. LAST_CTA is taken outside CUDA-graph capture under the default policy (``eager``),
+    also inside under ``always``, never under ``never``, with ``fused_combine`` off or where the plan has more than
+    LAST_CTA_MAX_MEAN_SPLITS work items per request. The compiled kernel and the combine are stand-ins."""
     from mla_backend_plugin.kernels.combine import kernel as combine
     from mla_backend_plugin.ops import MLAWorkspace
 
@@ -561,24 +565,62 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     monkeypatch.setattr(launch, "_device_sms", lambda index: 132)
     monkeypatch.setattr(combine, "launch_combine", lambda *a, **k: seen.append(("combine",)))
     monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE", raising=False)
-    ws = MLAWorkspace("cpu", max_batch=8, max_q_len=1, num_heads=128, num_sms=132, rows_per_cta=config.BLOCK_M)
+    monkeypatch.delenv("CUTE_MLA_LAST_CTA_COMBINE", raising=False)
+    capturing = [False]
+    monkeypatch.setattr(launch, "capturing", lambda device: capturing[0])
+    ws = MLAWorkspace("cpu", max_batch=32, max_q_len=1, num_heads=128, num_sms=132, rows_per_cta=config.BLOCK_M)
     ws.scratch[launch.COMBINE_SCRATCH] = torch.zeros(4 * launch.COMBINE_COUNTERS, dtype=torch.uint8)
     counters = ws.scratch[launch.COMBINE_SCRATCH]
 
-    def run(batch, config=None):
+    def run(batch, config=None, **changes):
         seen.clear()
-        launch.launch(_args(q_len=1, batch=batch), ws, config or launch.default_config(_args(), (9, 0)))
+        config = config or launch.default_config(_args(), (9, 0))
+        launch.launch(_args(q_len=1, batch=batch), ws, dataclasses.replace(config, **changes))
         return list(seen)
 
-    (split,) = run(1)  # one launch, no combine
-    assert split[2] == 1 and split[1].dtype == torch.int32 and split[1].data_ptr() == counters.data_ptr()
-    split, after = run(8)  # 146 CTAs > 132 SMs: the combine kernel follows
+    def merges_in_kernel(calls, mode):
+        (split,) = calls  # one launch, no combine
+        assert split[2] == mode and split[1].dtype == torch.int32 and split[1].data_ptr() == counters.data_ptr()
+
+    merges_in_kernel(run(1), COOPERATIVE)
+    merges_in_kernel(run(32), LAST_CTA)  # 194 CTAs > 132 SMs: each request's last CTA merges its ~3 splits
+    split, after = run(8)  # 146 CTAs, 73 work items: 9 splits a request are the combine kernel's
     assert split[2] == 0 and after == ("combine",)
-    split, after = run(1, dataclasses.replace(launch.default_config(_args(), (9, 0)), fused_combine=False))
+    assert launch.launch_setup(_args(q_len=1, batch=8), ws, launch.default_config(_args(), (9, 0)))[2].grid_items \
+        > launch.LAST_CTA_MAX_MEAN_SPLITS * 8
+    capturing[0] = True
+    split, after = run(32)  # in a graph under "eager": the combine kernel follows
+    assert split[2] == 0 and after == ("combine",)
+    merges_in_kernel(run(32, last_cta_combine="always"), LAST_CTA)
+    merges_in_kernel(run(1), COOPERATIVE)
+    capturing[0] = False
+    split, after = run(32, last_cta_combine="never")
+    assert split[2] == 0 and after == ("combine",)
+    split, after = run(1, fused_combine=False)
+    assert split[2] == 0 and after == ("combine",)
+    split, after = run(32, fused_combine=False, last_cta_combine="always")
     assert split[2] == 0 and after == ("combine",)
     monkeypatch.setenv("CUTE_MLA_FUSED_COMBINE", "0")
     split, after = run(1)
     assert split[2] == 0 and after == ("combine",)
+    monkeypatch.delenv("CUTE_MLA_FUSED_COMBINE")
+    monkeypatch.setenv("CUTE_MLA_LAST_CTA_COMBINE", "never")
+    split, after = run(32)
+    assert split[2] == 0 and after == ("combine",)
+    # a counter per (request, m-block) or the combine kernel: 32 requests x 2 m-blocks
+    monkeypatch.delenv("CUTE_MLA_LAST_CTA_COMBINE")
+    default = launch.default_config(_args(), (9, 0))
+    plan = launch.launch_setup(_args(q_len=1, batch=32), ws, default)[2]
+    assert launch.last_cta_merges(_args(q_len=1, batch=32), plan, default, 64) == "eager"
+    assert launch.last_cta_merges(_args(q_len=1, batch=32), plan, default, 63) is None
+
+
+def test_the_counters_cover_the_workspace_s_largest_step():
+    """One counter per (request, m-block) of the largest step the workspace serves, at least COMBINE_COUNTERS:
+    a LAST_CTA grid of any batch the workspace holds has its own counter per request."""
+    key, nbytes = launch.scratch((9, 0), 512, 4, 128, 132)
+    assert key == launch.COMBINE_SCRATCH and nbytes == 4 * 512 * config.m_blocks(128, 4)
+    assert launch.scratch((9, 0), 8, 1, 128, 132)[1] == 4 * launch.COMBINE_COUNTERS
 
 
 def test_a_step_is_planned_once_per_step_seq_lens_and_capture(monkeypatch):

@@ -7,7 +7,8 @@ that launches with PDL (cute_sm90, xqa_sm120); each skips where its kernel canno
 * xqa_sm120: NaN in KV slots no request may read (the tail of a last page, past a split's end) never reaches
   the output, for every page size (the kernel zeroes the rows past the end after TMA lands them);
 * on SM120/SM121 only: the native sm_120a/sm_121a cubin is the one loaded;
-* cute_sm90: the combine fused into the split kernel at small batches, eager and under graph replay.
+* cute_sm90: the combine fused into the split kernel at small batches (COOPERATIVE) and, by each request's last
+  CTA, at any batch (LAST_CTA), eager and under graph replay.
 """
 
 from __future__ import annotations
@@ -280,3 +281,67 @@ def test_sm120_native_cubin_and_fp8(kernel):
         out, lse = _run(inp, None)
         ref_out, ref_lse = inp.reference()
         assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype)
+
+
+# (batch, q_len, heads, block size): split grids too large for one wave on 132 SMs (176-194 CTAs) with at most
+# launch.LAST_CTA_MAX_MEAN_SPLITS work items per request
+LAST_CTA_CASES = [(24, 1, 128, 64), (32, 1, 128, 16), (16, 2, 128, 32), (12, 4, 64, 64), (48, 1, 16, 64)]
+
+
+@pytest.mark.parametrize("case", LAST_CTA_CASES, ids=lambda c: f"B{c[0]}q{c[1]}h{c[2]}bs{c[3]}")
+@pytest.mark.parametrize("kv_dtype,q_form", [(torch.bfloat16, "pair"), (FP8_DTYPE, "pair"), (FP8_DTYPE, "fp8")],
+                         ids=["bf16", "fp8kv", "fp8q"])
+def test_cute_sm90_last_cta_combine(kernel, monkeypatch, case, kv_dtype, q_form):
+    """cute_sm90 merges a split grid too large to be resident at once in the split kernel itself, by each
+    request's last CTA (LAST_CTA, one launch): eagerly under the default policy and, with
+    CUTE_MLA_LAST_CTA_COMBINE=always, in a CUDA graph replayed with new lengths (other split counts, unsplit
+    requests, empty ones); against the reference and the combine kernel (CUTE_MLA_LAST_CTA_COMBINE=never);
+    the counters are zero after every launch; a spy checks which mode each launch ran."""
+    if kernel != "cute_sm90":
+        pytest.skip("cute_sm90 only")
+    from mla_backend_plugin.kernels.cute_common.host import LAST_CTA
+    from mla_backend_plugin.kernels.cute_sm90 import launch
+
+    modes = []
+    real_mode = launch.combine_mode
+    monkeypatch.setattr(launch, "combine_mode", lambda *a: modes.append(real_mode(*a)) or modes[-1])
+    batch, q_len, heads, bs = case
+    width = 8192 // bs
+    ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=heads, split_capacity=SPLIT_CAPACITY)
+    counters = ws.scratch_for(launch.COMBINE_SCRATCH).view(torch.int32)
+    kv_scale = 2.5 if kv_dtype == FP8_DTYPE else None
+
+    def fresh(lens, seed):
+        return make_decode_inputs(batch, lens, q_len, heads, bs, kv_dtype, q_form, "cuda", seed, kv_scale=kv_scale,
+                                  num_blocks=batch * width + 3, max_blocks=width)
+
+    lens = draw_seq_lens(batch, 8192, block_size=bs, seed=60, max_len=width * bs)
+    lens[0], lens[-1] = width * bs, 0  # one request at the longest, one empty
+    inp = fresh(lens, 61)
+    ref_out, ref_lse = inp.reference()
+    monkeypatch.delenv("CUTE_MLA_LAST_CTA_COMBINE", raising=False)
+    merged = _run(inp, ws, as_tensor=True)
+    assert modes == [LAST_CTA], modes
+    assert_close_decode(*merged, ref_out, ref_lse, kv_dtype, msg="last CTA")
+    assert not counters.any(), counters.nonzero()
+    monkeypatch.setenv("CUTE_MLA_LAST_CTA_COMBINE", "never")
+    separate = _run(inp, ws, as_tensor=True)
+    assert modes[-1] == 0
+    assert_close_decode(*separate, ref_out, ref_lse, kv_dtype, msg="separate combine")
+    torch.testing.assert_close(merged[0].float(), separate[0].float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(merged[1], separate[1], atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setenv("CUTE_MLA_LAST_CTA_COMBINE", "always")
+    out, lse = inp.poisoned_outputs()
+    scales = inp.scale_kwargs(True)  # device tensors made before capture
+    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                                               workspace=ws, kernel=KERNEL, **scales), warmup=1)
+    assert modes[-2:] == [LAST_CTA, LAST_CTA]  # the warm-up and the captured launch
+    rounds = [draw_seq_lens(batch, 8192, block_size=bs, seed=70, max_len=width * bs), [width * bs] * batch,
+              ([0, 700] * batch)[:batch], [q_len + 1] * batch]
+    for i, new_lens in enumerate(rounds):
+        new = fresh(new_lens, 80 + i)
+        replay_with(graph, inp, new, out, lse)
+        ref_out, ref_lse = new.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
+        assert not counters.any(), counters.nonzero()

@@ -30,7 +30,7 @@ from mla_backend_plugin.ops.args import (
 )
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, KernelManifest, LaunchConfig
-from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, default_workspace
+from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, capturing, default_workspace
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -126,7 +126,7 @@ def mla_decode(
             device = (q[0] if isinstance(q, (tuple, list)) else q).device
             key = (fingerprint, kernel, config, enable_pdl, fp8_design,
                    None if max_seq_len is None else tuned.seq_bucket(max_seq_len),
-                   device.type == "cuda" and torch.cuda.is_current_stream_capturing(), tuned.table_version(),
+                   capturing(device), tuned.table_version(),
                    envs.raw_values())
             form, decided = workspace.decisions.get(key, (None, None))
     if form is None:

@@ -49,6 +49,7 @@ from typing import Any
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant", "fp8seesaw")
 SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
+LAST_CTA_COMBINE = ("eager", "always", "never")  # cute_sm90: when a request's last CTA merges (LaunchConfig)
 COMBINES = ("shared", "own", "none")
 
 
@@ -74,6 +75,9 @@ class LaunchConfig:
     # cute_sm90: merge the split partials inside the split kernel when its grid fits on the device at once (one
     # launch); False = always the combine kernel
     fused_combine: bool = True
+    # cute_sm90, a larger split grid (with fused_combine): each request's last CTA merges its partials, in
+    # "eager" calls (outside CUDA-graph capture), "always" or "never" (the combine kernel)
+    last_cta_combine: str = "eager"
 
     def __post_init__(self):
         if self.split_plan not in SPLIT_PLANS:
@@ -82,6 +86,9 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig: fp8_design {self.fp8_design!r}; allowed: {', '.join(FP8_DESIGNS)}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"LaunchConfig: schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if self.last_cta_combine not in LAST_CTA_COMBINE:
+            raise ValueError(f"LaunchConfig: last_cta_combine {self.last_cta_combine!r}; allowed: "
+                             f"{', '.join(LAST_CTA_COMBINE)}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:
@@ -124,6 +131,8 @@ class LaunchConfig:
             parts.append(self.schedule)
         if not self.fused_combine:
             parts.append("no-fused-combine")
+        elif self.last_cta_combine != "eager":
+            parts.append(f"last-cta-combine {self.last_cta_combine}")
         if self.tile:
             parts.append("tile " + "x".join(map(str, self.tile)))
         parts.append("pdl" if self.enable_pdl else "no-pdl")

@@ -22,7 +22,7 @@ from mla_backend_plugin.ops.args import prepare_args
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.inputs import make_decode_inputs
 from mla_backend_plugin.ops.tolerances import compare_decode
-from mla_backend_plugin.ops.workspace import MLAWorkspace
+from mla_backend_plugin.ops.workspace import MLAWorkspace, capturing
 
 SELF_CHECK_ENV_VAR = "CUTE_MLA_SELF_CHECK"
 
@@ -92,7 +92,7 @@ def self_check(spec, device: torch.device) -> str | None:
     """Cached ``run_self_check``; must first run outside CUDA-graph capture (it synchronises)."""
     key = (spec.name, str(device))
     if key not in _RESULTS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             raise RuntimeError(
                 f"mla_decode: kernel {spec.name!r} has not been self-checked on {device} yet and cannot be "
                 "during CUDA-graph capture; run one decode call before capturing (vLLM's warm-up does)")

@@ -34,7 +34,7 @@ from mla_backend_plugin.ops.constants import (
     dtype_names,
 )
 from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
-from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans
+from mla_backend_plugin.ops.workspace import MLAWorkspace, StepPlans, capturing
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -386,7 +386,7 @@ class DeploymentTuning:
         if self.report is not None:
             return
         device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             return  # timing needs synchronisation; the next build outside capture does it
         self.report = {}
         try:
@@ -476,8 +476,7 @@ class DecodeRunner:
             tr = token_requests
             out, lse = tr.scatter(*self._launch(tr.gather_q(q), cache, tr.block_table, tr.seq_lens, tr.row_kv_lens,
                                                 workspace, q_scale, kv_scale, max_seq_len, step, None))
-        if self.check is not None and not (workspace.device.type == "cuda"
-                                           and torch.cuda.is_current_stream_capturing()):
+        if self.check is not None and not capturing(workspace.device):
             self.check(q, cache, block_table, seq_lens, self.softmax_scale, out, lse, q_scale=q_scale,
                        kv_scale=kv_scale, row_kv_lens=row_kv_lens,
                        query_lens=token_requests.query_lens if token_requests is not None else None)
@@ -527,7 +526,7 @@ class DecodeRunner:
         the decode path, eager only) gets fresh tensors, as vLLM's own prefill path allocates its outputs."""
         if workspace.out_buffer is None or num_tokens <= workspace.out_buffer.shape[0]:
             return workspace.output_views(num_tokens)
-        if workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(workspace.device):
             raise RuntimeError(f"mla_decode: {num_tokens} query tokens exceed the workspace's output buffers "
                                f"({workspace.out_buffer.shape[0]} rows) inside CUDA-graph capture")
         heads = (q[0] if isinstance(q, (tuple, list)) else q).shape[1]

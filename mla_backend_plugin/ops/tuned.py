@@ -49,6 +49,7 @@ from mla_backend_plugin.ops import registry, selfcheck
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK, QK_HEAD_DIM
 from mla_backend_plugin.ops.files import fingerprint, locked
 from mla_backend_plugin.ops.manifest import LaunchConfig
+from mla_backend_plugin.ops.workspace import capturing as stream_capturing
 
 logger = logging.getLogger("mla_backend_plugin")
 
@@ -377,10 +378,6 @@ def norm_device(device) -> torch.device:
     return device
 
 
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def lookup(args, cc, max_seq_len: int | None = None, check: bool = True) -> Choice | None:
     """The tuned choice for this call, or None (then the static table decides). A dict lookup: no device work,
     no allocation. Under CUDA-graph capture (or without ``max_seq_len``) the context profile's choice.
@@ -392,7 +389,7 @@ def lookup(args, cc, max_seq_len: int | None = None, check: bool = True) -> Choi
     row = _TABLE.get((_live_shape(args, cc), batch_bucket(args.batch)))
     if not row:
         return None
-    capturing = _capturing(device)
+    capturing = stream_capturing(device)
     choice = None
     if max_seq_len is not None and not capturing:
         choice = row.get(seq_bucket(max_seq_len))

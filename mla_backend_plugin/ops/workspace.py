@@ -266,9 +266,14 @@ class MLAWorkspace:
                 f"partial_rows={self.partial_rows}, {self.nbytes / 2**20:.1f} MiB)")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (False for any other device)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _capture_id(device: torch.device):
     """None outside CUDA-graph capture, else the id of the capture in progress on the current stream."""
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    if not capturing(device):
         return None
     try:
         from cuda.bindings import runtime

@@ -8,8 +8,9 @@ dtype; cute_sm100: fp32; ``Workspace.partials_as``) and fp32 log2 LSE to slot w 
 loop over its accumulator layout and addresses through ``OutputStore``; ``lse2 * LN2`` turns a log2-domain LSE
 into the natural-log one the API returns.
 
-``fused_combine`` merges a split request's partials inside the split kernel itself (no second launch), for
-grids whose CTAs are all resident at once (the host decides: cute_sm90 launch.py).
+``fused_combine`` merges a split request's partials inside the split kernel itself (no second launch): shared
+among the request's CTAs for grids whose CTAs are all resident at once (``COOPERATIVE``), or by the request's last
+CTA to finish, for any grid (``LAST_CTA``); the host decides (cute_sm90 launch.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
+
+from mla_backend_plugin.kernels.cute_common.host import COOPERATIVE
 
 LN2 = 0.6931471805599453
 
@@ -54,18 +57,21 @@ class OutputStore:
         return -(-self.rows // self.block_m)
 
 
-# Shared memory the fused combine needs (bytes): the (row, split) weights of one CTA's slice, at most
-# ceil(64 / n) rows x n splits <= 64 + n - 1 < 128 for n <= 64 (the workspace's split capacity), then the ticket.
-FUSED_COMBINE_SMEM_FLOATS = 128
+# Shared memory the fused combine needs (bytes): the (row, split) weights of the rows one CTA merges, at most
+# 64 rows x 64 splits (the workspace's split capacity) for the last CTA, then the ticket. Every kernel calling it
+# passes its Q buffer, 36 KB or more.
+FUSED_COMBINE_SMEM_FLOATS = 64 * 64
 FUSED_COMBINE_SMEM_BYTES = 4 * FUSED_COMBINE_SMEM_FLOATS + 4
-# Partials one thread loads per round of the merge: their loads are independent, so they are all in flight at
-# once (one L2 round trip per round; the first version, with 2 loads per round, cost B=1 S=8k 1.7 us).
-FUSED_COMBINE_SPLIT_ROUND = 16
+# Partials one thread loads per round of the merge (items x splits, ``_merge_items``): their loads are
+# independent, so they are all in flight at once (one L2 round trip per round; the first version, with 2 loads
+# per round, cost B=1 S=8k 1.7 us); and rows whose LSEs one warp loads at once.
+FUSED_COMBINE_LOADS_IN_FLIGHT = 16
+FUSED_COMBINE_ROWS_IN_FLIGHT = 4
 
 
 @cute.jit
 def fused_combine(output: OutputStore, mCtr: cute.Tensor, mPartO: cute.Tensor, mPartLse: cute.Tensor,
-                  mOut: cute.Tensor, mLse: cute.Tensor, kscale, b, mblk, slot0, n_splits, ctid, smem_ptr,
+                  mOut: cute.Tensor, mLse: cute.Tensor, kscale, b, mblk, slot0, n_splits, mode, ctid, smem_ptr,
                   barrier: cutlass.Constexpr, num_threads: cutlass.Constexpr):
     """The last step of a split work item when the combine is fused (``output``: the kernel's OutputStore):
     after this CTA wrote its partial (slot ``slot0`` + its split index), the ``n_splits`` CTAs of (request
@@ -73,13 +79,16 @@ def fused_combine(output: OutputStore, mCtr: cute.Tensor, mPartO: cute.Tensor, m
     out (x ``kscale``) and the natural-log LSE, as the separate combine kernel (kernels/combine) would.
 
     Who merges what: a ticket from ``mCtr[b * m_blocks + mblk]`` (atomic add, acq_rel at GPU scope after the
-    CTA barrier that follows the partial stores: CUTLASS's generic-barrier pattern); ticket t merges rows
-    [t * rows / n, (t + 1) * rows / n) once the counter reaches n, i.e. once every partial of the request is
-    written. The CTAs wait for each other, so this is correct only when every CTA of the grid can be resident
-    at the same time (one CTA per SM here: the host fuses only when the grid is at most the SM count) and the
-    kernel lets its dependents launch only after this step. A second round of adds counts the CTAs past
-    their wait; the last one (it reads 2 n - 1) resets the counter to 0, so each launch and every graph replay
-    starts from a zero counter without a host-side reset.
+    CTA barrier that follows the partial stores: CUTLASS's generic-barrier pattern).
+    ``mode`` COOPERATIVE: ticket t merges rows [t * rows / n, (t + 1) * rows / n) once the counter reaches n,
+    i.e. once every partial of the request is written. The CTAs wait for each other, so this is correct only
+    when every CTA of the grid can be resident at the same time (one CTA per SM here: the host fuses so only
+    when the grid is at most the SM count) and the kernel lets its dependents launch only after this step. A
+    second round of adds counts the CTAs past their wait; the last one (it reads 2 n - 1) resets the counter.
+    ``mode`` LAST_CTA: the CTA drawing ticket n - 1 is the last whose partial was written (its acquire sees
+    the others' stores); it resets the counter and merges every row, the others merge nothing and wait for
+    nobody, so any grid may run so. Either way each launch and every graph replay starts from a zero counter
+    without a host-side reset.
 
     ``barrier`` synchronises the ``num_threads`` threads that call this (``ctid`` in 0..num_threads-1);
     ``smem_ptr`` points to FUSED_COMBINE_SMEM_BYTES of shared memory this CTA no longer uses."""
@@ -91,68 +100,113 @@ def fused_combine(output: OutputStore, mCtr: cute.Tensor, mPartO: cute.Tensor, m
     barrier()  # every thread's partial stores precede thread 0's release below
     if ctid == 0:
         ticket = cute.arch.atomic_add(ctr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-        seen = ticket + 1
-        while seen < n_splits:
-            seen = cute.arch.load(ctr, cutlass.Int32, sem="acquire", scope="gpu")
+        if mode == COOPERATIVE:
+            seen = ticket + 1
+            while seen < n_splits:
+                seen = cute.arch.load(ctr, cutlass.Int32, sem="acquire", scope="gpu")
+        elif ticket == n_splits - 1:  # every other CTA of the request has drawn its ticket: none reads it again
+            cute.arch.store(ctr, cutlass.Int32(0), sem="relaxed", scope="gpu")
         s_ticket[0] = ticket
     barrier()  # thread 0's acquire orders every thread's partial loads below after the other CTAs' stores
     ticket = s_ticket[0]
     valid = cutlass.min(output.block_m, output.rows - mblk * output.block_m)
     r_lo = ticket * valid // n_splits
     n_rows = (ticket + 1) * valid // n_splits - r_lo
+    if mode != COOPERATIVE:
+        r_lo = cutlass.Int32(0)
+        n_rows = cutlass.Int32(0)
+        if ticket == n_splits - 1:
+            n_rows = valid
 
     # per row, one warp: lane l holds splits l and l + 32; the weights exp2(lse_s - max) x kscale / sum go to
-    # shared memory, the merged LSE to the output
+    # shared memory, the merged LSE to the output. A warp loads FUSED_COMBINE_ROWS_IN_FLIGHT rows' LSEs at once
+    # (one L2 round trip for them, where a row at a time cost one per row: 8 for the last CTA's 64 rows)
     lane = ctid % 32
-    for r in cutlass.range(ctid // 32, n_rows, num_threads // 32, unroll=1):
-        row = output.row(mblk, r_lo + r)
-        lse_s = [None, None]
-        for k in cutlass.range_constexpr(2):
-            v = -cutlass.Float32.inf
-            if lane + 32 * k < n_splits:
-                v = mPartLse[output.partial_index(slot0 + lane + 32 * k, row)]
-            lse_s[k] = v
-        m = cute.arch.warp_reduction_max(cute.arch.fmax(lse_s[0], lse_s[1]))
-        if m == -cutlass.Float32.inf:
-            m = cutlass.Float32(0.0)
-        e = [cute.math.exp2(lse_s[k] - m, fastmath=True) for k in range(2)]
-        total = cute.arch.warp_reduction_sum(e[0] + e[1])
-        inv = cutlass.Float32(0.0)
-        lse = -cutlass.Float32.inf
-        if total > 0.0:
-            inv = kscale / total
-            lse = (m + cute.math.log2(total, fastmath=False)) * LN2
-        for k in cutlass.range_constexpr(2):
-            if lane + 32 * k < n_splits:
-                s_w[r * n_splits + lane + 32 * k] = e[k] * inv
-        if lane == 0:
-            mLse[output.final_index(b, row)] = lse
+    warps = num_threads // 32
+    for r0 in cutlass.range(ctid // 32, n_rows, warps * FUSED_COMBINE_ROWS_IN_FLIGHT, unroll=1):
+        lse_s = [[None, None] for _ in range(FUSED_COMBINE_ROWS_IN_FLIGHT)]
+        for j in cutlass.range_constexpr(FUSED_COMBINE_ROWS_IN_FLIGHT):
+            row = output.row(mblk, r_lo + cutlass.min(r0 + j * warps, n_rows - 1))
+            for k in cutlass.range_constexpr(2):
+                v = -cutlass.Float32.inf
+                if lane + 32 * k < n_splits:
+                    v = mPartLse[output.partial_index(slot0 + lane + 32 * k, row)]
+                lse_s[j][k] = v
+        for j in cutlass.range_constexpr(FUSED_COMBINE_ROWS_IN_FLIGHT):
+            r = r0 + j * warps
+            m = cute.arch.warp_reduction_max(cute.arch.fmax(lse_s[j][0], lse_s[j][1]))
+            if m == -cutlass.Float32.inf:
+                m = cutlass.Float32(0.0)
+            e = [cute.math.exp2(lse_s[j][k] - m, fastmath=True) for k in range(2)]
+            total = cute.arch.warp_reduction_sum(e[0] + e[1])
+            inv = cutlass.Float32(0.0)
+            lse = -cutlass.Float32.inf
+            if total > 0.0:
+                inv = kscale / total
+                lse = (m + cute.math.log2(total, fastmath=False)) * LN2
+            if r < n_rows:
+                for k in cutlass.range_constexpr(2):
+                    if lane + 32 * k < n_splits:
+                        s_w[r * n_splits + lane + 32 * k] = e[k] * inv
+                if lane == 0:
+                    mLse[output.final_index(b, output.row(mblk, r_lo + r))] = lse
     barrier()
-    # the rows, one 16-byte piece of a partial row per thread and item (4 fp32 or 8 16-bit columns): the
-    # weighted sum over the splits' partials, SPLIT_ROUND independent 16-byte loads in flight per thread (a
-    # round past n_splits re-reads the last split, weight 0)
-    vec = 128 // mPartO.element_type.width
-    per_row = mOut.shape[2] // vec
-    acc = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.Float32)
-    for i in cutlass.range(ctid, n_rows * per_row, num_threads, unroll=1):
-        r = i // per_row
-        c = i - r * per_row
-        row = output.row(mblk, r_lo + r)
-        acc.fill(0.0)
-        for s0 in cutlass.range(0, n_splits, FUSED_COMBINE_SPLIT_ROUND, unroll=1):
-            for u in cutlass.range_constexpr(FUSED_COMBINE_SPLIT_ROUND):
-                s = cutlass.min(s0 + u, n_splits - 1)
-                wt = s_w[r * n_splits + s]
-                if s0 + u >= n_splits:
-                    wt = cutlass.Float32(0.0)
-                part = cute.local_tile(mPartO[(output.partial_index(slot0 + s, row), None)], (vec,), (c,)).load()
-                acc.store(acc.load() + part.to(cutlass.Float32) * wt)
-        tok, h = output.final_index(b, row)
-        cute.local_tile(mOut[(tok, h, None)], (vec,), (c,)).store(acc.load().to(mOut.element_type))
+    # the rows, one 16-byte piece of a partial row per thread and item (4 fp32 or 8 16-bit columns): the weighted
+    # sum over the splits' partials, FUSED_COMBINE_LOADS_IN_FLIGHT independent 16-byte loads per thread in each
+    # round, spread over items and splits by the split count (few splits: more items per round)
+    n_items = n_rows * (mOut.shape[2] // (128 // mPartO.element_type.width))
+    if n_splits <= 2:
+        _merge_items(output, mPartO, mOut, s_w, b, mblk, r_lo, slot0, n_splits, n_items, ctid, num_threads,
+                     FUSED_COMBINE_LOADS_IN_FLIGHT // 2, 2)
+    elif n_splits <= 4:
+        _merge_items(output, mPartO, mOut, s_w, b, mblk, r_lo, slot0, n_splits, n_items, ctid, num_threads,
+                     FUSED_COMBINE_LOADS_IN_FLIGHT // 4, 4)
+    elif n_splits <= 8:
+        _merge_items(output, mPartO, mOut, s_w, b, mblk, r_lo, slot0, n_splits, n_items, ctid, num_threads,
+                     FUSED_COMBINE_LOADS_IN_FLIGHT // 8, 8)
+    else:
+        _merge_items(output, mPartO, mOut, s_w, b, mblk, r_lo, slot0, n_splits, n_items, ctid, num_threads,
+                     FUSED_COMBINE_LOADS_IN_FLIGHT // 16, 16)
     barrier()
-    if ctid == 0:
+    if ctid == 0 and mode == COOPERATIVE:
         if cute.arch.atomic_add(ctr, cutlass.Int32(1), sem="relaxed", scope="gpu") == 2 * n_splits - 1:
             cute.arch.store(ctr, cutlass.Int32(0), sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _merge_items(output: OutputStore, mPartO: cute.Tensor, mOut: cute.Tensor, s_w: cute.Tensor, b, mblk, r_lo, slot0,
+                 n_splits, n_items, ctid, num_threads: cutlass.Constexpr, items: cutlass.Constexpr,
+                 splits: cutlass.Constexpr):
+    """``fused_combine``'s merge: item i is 16-byte piece i % per_row of row r_lo + i // per_row; a thread takes
+    ``items`` items at a time and reads ``splits`` splits of each per round, all loads of a round in flight
+    together (a slot past n_splits re-reads the last split with weight 0; an item past the last is clamped to it
+    and not stored)."""
+    vec = 128 // mPartO.element_type.width
+    per_row = mOut.shape[2] // vec
+    accs = [cute.make_rmem_tensor(cute.make_layout(vec), cutlass.Float32) for _ in range(items)]
+    for i0 in cutlass.range(ctid, n_items, num_threads * items, unroll=1):
+        for g in cutlass.range_constexpr(items):
+            accs[g].fill(0.0)
+        for s0 in cutlass.range(0, n_splits, splits, unroll=1):
+            for g in cutlass.range_constexpr(items):
+                i = cutlass.min(i0 + g * num_threads, n_items - 1)
+                r = i // per_row
+                row = output.row(mblk, r_lo + r)
+                for u in cutlass.range_constexpr(splits):
+                    s = cutlass.min(s0 + u, n_splits - 1)
+                    wt = s_w[r * n_splits + s]
+                    if s0 + u >= n_splits:
+                        wt = cutlass.Float32(0.0)
+                    part = cute.local_tile(mPartO[(output.partial_index(slot0 + s, row), None)], (vec,),
+                                           (i - r * per_row,)).load()
+                    accs[g].store(accs[g].load() + part.to(cutlass.Float32) * wt)
+        for g in cutlass.range_constexpr(items):
+            i = i0 + g * num_threads
+            if i < n_items:
+                r = i // per_row
+                tok, h = output.final_index(b, output.row(mblk, r_lo + r))
+                cute.local_tile(mOut[(tok, h, None)], (vec,), (i - r * per_row,)).store(
+                    accs[g].load().to(mOut.element_type))
 
 
 @cute.jit

@@ -9,6 +9,11 @@ import torch
 
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 
+# The split kernels' fused-combine modes (their ``fuse_combine`` argument; 0: the combine kernel merges after
+# them; cute_common/epilogue.py ``fused_combine``)
+COOPERATIVE = 1  # every CTA of a request merges a slice of its rows once all are written (one wave only)
+LAST_CTA = 2  # the request's last CTA to finish merges every row; the others do not wait (any grid)
+
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", FP8_DTYPE: "fp8"}
 
 

@@ -247,7 +247,8 @@ class Sm90MlaDecode:
                              kv_end, n_tiles, tidx - 128)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
-                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
+                                           kv_scale, b, mblk, slot0, n_splits, fuse_combine, tidx - 128,
+                                           storage.sQ.data_ptr())
         # after the fused combine's wait: a dependent launched earlier could hold the SMs our CTAs still need
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -673,12 +674,12 @@ class Sm90MlaDecode:
 
     @cute.jit
     def combine_in_kernel(self, mCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale, kv_scale, b, mblk,
-                          slot0, n_splits, ctid, smem_ptr):
+                          slot0, n_splits, mode, ctid, smem_ptr):
         """The fused combine (cute_common/epilogue.py ``fused_combine``) by the 256 consumer threads, in the
         shared memory at Q's buffer (free since the epilogue's staging tile has been stored)."""
         _, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
                                 mKVScale)
-        fused_combine(self.output, mCtr, mPartO, mPartLse, mOut, mLse, kscale, b, mblk, slot0, n_splits, ctid,
+        fused_combine(self.output, mCtr, mPartO, mPartLse, mOut, mLse, kscale, b, mblk, slot0, n_splits, mode, ctid,
                       smem_ptr, consumer_barrier, 256)
 
     @staticmethod

@@ -226,7 +226,8 @@ class Sm90MlaDecodeFp8Mma(Sm90MlaDecode):
                                sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start, kv_end, n_tiles, tidx - 128)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
-                                           kv_scale, b, mblk, slot0, n_splits, tidx - 128, storage.sQ.data_ptr())
+                                           kv_scale, b, mblk, slot0, n_splits, fuse_combine, tidx - 128,
+                                           storage.sQ.data_ptr())
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -20,7 +20,9 @@ from mla_backend_plugin import envs
 from mla_backend_plugin.kernels.cute_common import background
 from mla_backend_plugin.kernels.cute_common.aot import AotCache, compiled_from_cache_or_jit
 from mla_backend_plugin.kernels.cute_common.host import (
+    COOPERATIVE,
     DTYPE_NAMES,
+    LAST_CTA,
     aligned_rows_reason,
     current_cu_stream,
     dsl_missing,
@@ -37,7 +39,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
 )
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.ops.manifest import FP8_DESIGNS, SCHEDULES, LaunchConfig, PlanTile
-from mla_backend_plugin.ops.workspace import step_needs_plan
+from mla_backend_plugin.ops.workspace import capturing, step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
 STEP_PLAN = PlanVariant(BLOCK_N)
@@ -104,7 +106,8 @@ def default_config(args, cc) -> LaunchConfig:
     return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL,
                         fp8_design=fp8_design_for(args) if fp8 else None,
                         schedule=None if fp8 else envs.CUTE_MLA_SM90_SCHEDULE,
-                        fused_combine=envs.CUTE_MLA_FUSED_COMBINE)
+                        fused_combine=envs.CUTE_MLA_FUSED_COMBINE,
+                        last_cta_combine=envs.CUTE_MLA_LAST_CTA_COMBINE)
 
 
 def configs(args, cc) -> list[LaunchConfig]:
@@ -211,14 +214,15 @@ def _compiled(variant: Variant | PlanVariant, use_pdl: bool):
         lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=3))
 
 
-# The fused combine's counters (one int32 per (request, m-block) of a grid that fits on the GPU at once): a
+# The fused combine's counters (one int32 per (request, m-block) of the workspace's largest step): a
 # zero-initialised scratch buffer of the workspace, reset by the kernel after each use.
 COMBINE_SCRATCH = "cute_sm90_combine_counters"
-COMBINE_COUNTERS = 1024  # more than any GPU's SM count
+COMBINE_COUNTERS = 1024  # at least this many: more than any GPU's SM count
 
 
 def scratch(cc, max_batch: int, max_q_len: int, num_heads: int, num_sms: int) -> tuple[str, int] | None:
-    return (COMBINE_SCRATCH, 4 * COMBINE_COUNTERS) if cc == (9, 0) else None
+    return (COMBINE_SCRATCH, 4 * max(COMBINE_COUNTERS, max_batch * m_blocks(num_heads, max_q_len))) \
+        if cc == (9, 0) else None
 
 
 @functools.cache
@@ -227,13 +231,44 @@ def _device_sms(index: int) -> int:
 
 
 def fuses_combine(args, plan, wanted: bool = True) -> bool:
-    """Whether the split kernel merges its partials itself (cute_common/epilogue.py ``fused_combine``) instead
-    of a second launch: when ``wanted`` (the config's ``fused_combine``) and the grid (m-blocks x work items) fits
-    on the device's SMs at one CTA each, since a request's CTAs wait for each other there."""
+    """Whether the split kernel's CTAs merge a request's partials together (cute_common/epilogue.py
+    ``fused_combine``, COOPERATIVE) instead of a second launch: when ``wanted`` (the config's ``fused_combine``)
+    and the grid (m-blocks x work items) fits on the device's SMs at one CTA each, since a request's CTAs wait for
+    each other there."""
     if not (plan.has_combine and wanted):
         return False
     ctas = m_blocks(args.num_heads, args.q_len) * plan.grid_items
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
+
+
+# LAST_CTA only where the plan's work items per request (its mean split count) are at most this: one CTA merges
+# a request's 64 rows over all of its splits at the end of the grid, which the combine kernel spreads over many
+# CTAs. H200, 2026-11-28 (bench_decode, graphs, the first merge loop): at 9 splits a request (B=8, 128 heads)
+# it cost +15 us a call, at ~3 (B=32 S=1k) +15 us, at <= 2 (B >= 64) -6 .. +3%.
+LAST_CTA_MAX_MEAN_SPLITS = 4
+
+
+def last_cta_merges(args, plan, config: LaunchConfig, counters: int) -> str | None:
+    """When a split grid too large for COOPERATIVE merges in the kernel by each request's last CTA (LAST_CTA:
+    nobody waits, so any grid): the config's ``last_cta_combine`` ("eager" or "always"), or None (the combine
+    kernel): with ``fused_combine`` off, policy "never", no split, more than LAST_CTA_MAX_MEAN_SPLITS work items
+    per request, or fewer ``counters`` in the workspace than (requests x m-blocks)."""
+    if not (plan.has_combine and config.fused_combine and config.last_cta_combine != "never"):
+        return None
+    if plan.grid_items > LAST_CTA_MAX_MEAN_SPLITS * args.batch:
+        return None
+    return config.last_cta_combine if args.batch * m_blocks(args.num_heads, args.q_len) <= counters else None
+
+
+def combine_mode(fused: bool, last_cta: str | None, device: torch.device) -> int:
+    """The split kernel's ``fuse_combine`` argument for this call: COOPERATIVE where the grid fits at once;
+    LAST_CTA where ``last_cta_merges`` says "always", or "eager" and this call is not being captured into a CUDA
+    graph (an eager call's combine kernel costs a second launch's host time); else 0, the combine kernel."""
+    if fused:
+        return COOPERATIVE
+    if last_cta == "always" or (last_cta == "eager" and not capturing(device)):
+        return LAST_CTA
+    return 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,9 +302,10 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
 
 
 def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
-    """(compiled function, the config it runs, its plan, whether the combine is fused, the scale tensors' stand-in)
-    of ``launch(args, workspace, config)``: functions of what the key below holds, so they are worked out once per
-    key and kept in the workspace (an engine's eager calls repeat one shape per layer and step)."""
+    """(compiled function, the config it runs, its plan, whether the CTAs merge together (COOPERATIVE), whether
+    the last CTA may merge (LAST_CTA), the scale tensors' stand-in) of ``launch(args, workspace, config)``:
+    functions of what the key below holds, so they are worked out once per key and kept in the workspace (an
+    engine's eager calls repeat one shape per layer and step)."""
     key = ("cute_sm90.launch", config, args.batch, args.q_len, args.num_heads, args.kv_cache.shape[1],
            args.kv_cache.dtype, args.q_nope.dtype, args.out.dtype, type(args.q_scale), type(args.kv_scale),
            args.row_kv_lens is None, schedule_for(args, config), args.q_nope.device.index)
@@ -281,7 +317,10 @@ def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
         # workspace's limit) < 2^16
         plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), run_config)
         fused = fuses_combine(args, plan, run_config.fused_combine)
-        prepared = workspace.decisions[key] = (fn, run_config, plan, fused, workspace.partial_lse[:1])
+        counters = workspace.scratch.get(COMBINE_SCRATCH)
+        last_cta = None if fused else last_cta_merges(args, plan, run_config,
+                                                      0 if counters is None else counters.numel() // 4)
+        prepared = workspace.decisions[key] = (fn, run_config, plan, fused, last_cta, workspace.partial_lse[:1])
     return prepared
 
 
@@ -291,7 +330,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     if not config.balanced:
         raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
                          "(the kernel's device schedules)")
-    fn, config, plan, fused, dummy = launch_setup(args, workspace, config)
+    fn, config, plan, fused, last_cta, dummy = launch_setup(args, workspace, config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, dummy)
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
@@ -301,12 +340,13 @@ def launch(args, workspace, config: LaunchConfig) -> None:
                                                 plan.num_splits, plan.request_split_limit, plan.min_chunk,
                                                 plan.work_target, plan.grid_items,
                                                 STEP_PLAN_MODES[plan.device_plan] * plan.work_target, stream)
+    mode = combine_mode(fused, last_cta, args.q_nope.device)
     # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
-    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if fused else workspace.split_index
+    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if mode else workspace.split_index
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partials_as(args.out.dtype), workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
-       softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, int(fused), stream)
-    if plan.has_combine and not fused:
+       softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, mode, stream)
+    if plan.has_combine and not mode:
         # an ordinary stream-ordered launch, not a programmatic dependent of the split kernel: launched early it
         # cost B=1 q_len 2 more than it saved anywhere (docs/perf/method.md, PDL)
         launch_combine(args, workspace, plan, BLOCK_N, use_pdl=False, partial_dtype=args.out.dtype)
