@@ -180,6 +180,27 @@ def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
         assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=f"{schedule} num_sms={num_sms}")
 
 
+def _replay_with_new_lengths(inp, ws, fresh, counters, kv_dtype, seed, after_capture=None):
+    """Capture ``inp``'s call in a CUDA graph (check ``after_capture()`` then), replay it with new lengths (drawn,
+    all at the block table's width, alternately empty and 700, q_len + 1; inputs from ``fresh(lengths, seed)``)
+    against the reference, and check the fused combine's counters are back at zero after each replay."""
+    batch, q_len, bs = inp.batch, inp.q_len, inp.kv_cache.shape[1]
+    width = inp.block_table.shape[1]
+    out, lse = inp.poisoned_outputs()
+    scales = inp.scale_kwargs(True)  # device tensors made before capture
+    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
+                                               workspace=ws, kernel=KERNEL, **scales), warmup=1)
+    assert after_capture is None or after_capture()
+    rounds = [draw_seq_lens(batch, 8192, block_size=bs, seed=seed, max_len=width * bs), [width * bs] * batch,
+              ([0, 700] * batch)[:batch], [q_len + 1] * batch]
+    for i, new_lens in enumerate(rounds):
+        new = fresh(new_lens, seed + 10 + i)
+        replay_with(graph, inp, new, out, lse)
+        ref_out, ref_lse = new.reference()
+        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
+        assert not counters.any(), counters.nonzero()
+
+
 # (batch, q_len, heads, block size, lengths of the first round): grids of at most 128 CTAs (H100 and H200 SXM
 # have 132 SMs)
 FUSED_CASES = [(1, 1, 128, 64, [8000]), (2, 1, 128, 16, [5000, 1]), (2, 2, 16, 32, [3000, 77]),
@@ -226,18 +247,7 @@ def test_cute_sm90_fused_combine(kernel, monkeypatch, case, kv_dtype, q_form):
     torch.testing.assert_close(fused[0].float(), separate[0].float(), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(fused[1], separate[1], atol=1e-4, rtol=1e-4)
 
-    out, lse = inp.poisoned_outputs()
-    scales = inp.scale_kwargs(True)  # device tensors made before capture
-    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
-                                               workspace=ws, kernel=KERNEL, **scales), warmup=1)
-    rounds = [draw_seq_lens(batch, 8192, block_size=bs, seed=40, max_len=width * bs), [width * bs] * batch,
-              ([0, 700] * batch)[:batch], [q_len + 1] * batch]
-    for i, new_lens in enumerate(rounds):
-        new = fresh(new_lens, 50 + i)
-        replay_with(graph, inp, new, out, lse)
-        ref_out, ref_lse = new.reference()
-        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
-        assert not counters.any(), counters.nonzero()
+    _replay_with_new_lengths(inp, ws, fresh, counters, kv_dtype, seed=40)
 
 
 @pytest.mark.parametrize("bs", [16, 32, 64, 128])
@@ -332,16 +342,5 @@ def test_cute_sm90_last_cta_combine(kernel, monkeypatch, case, kv_dtype, q_form)
     torch.testing.assert_close(merged[1], separate[1], atol=1e-4, rtol=1e-4)
 
     monkeypatch.setenv("CUTE_MLA_LAST_CTA_COMBINE", "always")
-    out, lse = inp.poisoned_outputs()
-    scales = inp.scale_kwargs(True)  # device tensors made before capture
-    graph = capture_graph(lambda _: mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse,
-                                               workspace=ws, kernel=KERNEL, **scales), warmup=1)
-    assert modes[-2:] == [LAST_CTA, LAST_CTA]  # the warm-up and the captured launch
-    rounds = [draw_seq_lens(batch, 8192, block_size=bs, seed=70, max_len=width * bs), [width * bs] * batch,
-              ([0, 700] * batch)[:batch], [q_len + 1] * batch]
-    for i, new_lens in enumerate(rounds):
-        new = fresh(new_lens, 80 + i)
-        replay_with(graph, inp, new, out, lse)
-        ref_out, ref_lse = new.reference()
-        assert_close_decode(out, lse, ref_out, ref_lse, kv_dtype, msg=f"graph round {i}, lengths {new_lens}")
-        assert not counters.any(), counters.nonzero()
+    _replay_with_new_lengths(inp, ws, fresh, counters, kv_dtype, seed=70,
+                             after_capture=lambda: modes[-2:] == [LAST_CTA, LAST_CTA])  # warm-up and capture
