@@ -7,6 +7,7 @@ only with ``CUTE_MLA_PREBUILD=1``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 
@@ -144,3 +145,26 @@ def test_stand_in_inputs_ignore_a_default_device_context():
     with torch.device("meta"):
         inputs = make_decode_inputs(2, [70, 5], 1, 16, 64, torch.bfloat16, "pair", "cpu", 0)
     assert inputs.kv_cache.device.type == "cpu" and inputs.block_table.device.type == "cpu"
+
+
+def test_a_variant_compiled_here_runs_from_the_library_it_exported(monkeypatch, tmp_path):
+    """After an in-process compile the function handed out is the exported library's (as any later process loads
+    it), not the JIT's own result, whose calls pass through a Python wrapper; when the export or the load fails,
+    the JIT's result (with a warning)."""
+    monkeypatch.setenv(aot.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(host, "dsl_missing", functools.cache(lambda: None))  # the fixture clears it
+    calls = []
+    monkeypatch.setattr(aot.AotCache, "find", lambda self, *a, **k: (None, "empty"))
+    monkeypatch.setattr(aot.AotCache, "export", lambda self, compiled, *a, **k: calls.append(("export", compiled))
+                        or str(tmp_path / "lib.so"))
+    monkeypatch.setattr(aot.AotCache, "load_path", lambda self, path: calls.append(("load", path)) or "loaded")
+    warned = []
+    got = aot.compiled_from_cache_or_jit(AOT, VARIANT, True, "sm_90a", lambda: "jit", warned.append)
+    assert got == "loaded" and calls == [("export", "jit"), ("load", str(tmp_path / "lib.so"))] and not warned
+
+    def broken_load(self, path):
+        raise OSError("no such library")
+
+    monkeypatch.setattr(aot.AotCache, "load_path", broken_load)
+    got = aot.compiled_from_cache_or_jit(AOT, VARIANT, True, "sm_90a", lambda: "jit", warned.append)
+    assert got == "jit" and any("could not load" in w for w in warned), warned

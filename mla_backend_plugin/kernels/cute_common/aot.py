@@ -408,7 +408,14 @@ def compiled_from_cache_or_jit(cache: AotCache, variant, use_pdl: bool, arch: st
                 "on" if use_pdl else "off", arch, time.monotonic() - t0)
     if cache_root() is not None:
         try:
-            cache.export(compiled, variant, use_pdl, arch)
+            path = cache.export(compiled, variant, use_pdl, arch)
         except Exception as e:  # noqa: BLE001 - the JIT result still runs
             warn(f"{cache.family}: could not cache {variant.name}: {e}")
+        else:
+            # the exported library, as a later process would load it: a call through the JIT's own result passes
+            # a Python wrapper TVM-FFI generates (~8-10 us a call on an H200 host), the library's function none
+            try:
+                return cache.load_path(path)
+            except Exception as e:  # noqa: BLE001 - the JIT result still runs
+                warn(f"{cache.family}: could not load the just-cached {variant.name}: {e}")
     return compiled
