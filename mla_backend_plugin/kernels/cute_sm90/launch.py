@@ -303,7 +303,8 @@ def wave_filling_config(args, workspace, config: LaunchConfig) -> LaunchConfig:
 
 def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
     """(compiled function, the config it runs, its plan, whether the CTAs merge together (COOPERATIVE), whether
-    the last CTA may merge (LAST_CTA), the scale tensors' stand-in) of ``launch(args, workspace, config)``:
+    the last CTA may merge (LAST_CTA), the counters as int32 (any int32 tensor where the kernel never merges), the
+    scale tensors' stand-in) of ``launch(args, workspace, config)``:
     functions of what the key below holds, so they are worked out once per key and kept in the workspace (an
     engine's eager calls repeat one shape per layer and step)."""
     key = ("cute_sm90.launch", config, args.batch, args.q_len, args.num_heads, args.kv_cache.shape[1],
@@ -320,7 +321,14 @@ def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
         counters = workspace.scratch.get(COMBINE_SCRATCH)
         last_cta = None if fused else last_cta_merges(args, plan, run_config,
                                                       0 if counters is None else counters.numel() // 4)
-        prepared = workspace.decisions[key] = (fn, run_config, plan, fused, last_cta, workspace.partial_lse[:1])
+        # a launch that never merges never reads the counters: any int32 tensor stands in; None: merging with no
+        # counters in this workspace (launch raises naming them)
+        if fused or last_cta:
+            counters = None if counters is None else counters.view(torch.int32)
+        else:
+            counters = workspace.split_index
+        prepared = workspace.decisions[key] = (fn, run_config, plan, fused, last_cta, counters,
+                                               workspace.partial_lse[:1])
     return prepared
 
 
@@ -330,7 +338,7 @@ def launch(args, workspace, config: LaunchConfig) -> None:
     if not config.balanced:
         raise ValueError(f"cute_sm90: config: split_plan {config.split_plan!r}; allowed: balanced, shares, auto "
                          "(the kernel's device schedules)")
-    fn, config, plan, fused, last_cta, dummy = launch_setup(args, workspace, config)
+    fn, config, plan, fused, last_cta, counters, dummy = launch_setup(args, workspace, config)
     q_scale_t, kv_scale_t, q_scale, kv_scale = scale_launch_args(args, dummy)
     stream = current_cu_stream(args.q_nope.device)
     row_kv_lens = args.row_kv_lens.view(-1) if args.row_kv_lens is not None else args.seq_lens
@@ -341,8 +349,8 @@ def launch(args, workspace, config: LaunchConfig) -> None:
                                                 plan.work_target, plan.grid_items,
                                                 STEP_PLAN_MODES[plan.device_plan] * plan.work_target, stream)
     mode = combine_mode(fused, last_cta, args.q_nope.device)
-    # an unfused launch never reads the counters: any int32 tensor stands in (no scratch lookup per call)
-    counters = workspace.scratch_for(COMBINE_SCRATCH).view(torch.int32) if mode else workspace.split_index
+    if counters is None:
+        counters = workspace.scratch_for(COMBINE_SCRATCH)  # raises: this workspace has no counters
     fn(args.q_nope, args.q_pe, args.kv_cache, args.block_table, args.seq_lens, row_kv_lens, args.out, args.lse,
        workspace.partials_as(args.out.dtype), workspace.partial_lse, q_scale_t, kv_scale_t, q_scale, kv_scale,
        softmax_scale_log2(args.softmax_scale), workspace.work_items, plan.grid_items, counters, mode, stream)
