@@ -273,7 +273,15 @@ def server_command(args, backend: str, kv_cache_dtype: str, spec: int, port: int
         cmd.append("--enforce-eager")
     if spec:
         cmd += ["--speculative-config", json.dumps({**NGRAM, "num_speculative_tokens": spec})]
-    return cmd, {**OFFLINE_ENV, **env}
+    env = {**OFFLINE_ENV, **env}
+    if args.step_trace:  # the plugin's step timeline, whichever backend serves (mla_backend_plugin/vllm/step_trace.py)
+        env["CUTE_MLA_STEP_TRACE"] = str(steps_dir(args.out_dir, backend, kv_cache_dtype, spec, args.layers))
+    return cmd, env
+
+
+def steps_dir(out_dir: Path, backend: str, kv_cache_dtype: str, spec: int, layers: int) -> Path:
+    """Where a configuration's server writes its step timeline (``--step-trace``)."""
+    return out_dir / "steps" / _tag(backend, kv_cache_dtype, f"ngram{spec}", f"L{layers}")
 
 
 def client_command(args, port: int, shape: tuple[int, int], rate: str, result_dir: Path,
@@ -549,6 +557,8 @@ def run(args) -> int:
                                + tail(logs / f"client_{name[:-5]}.log", 300).replace("\n", " | ")}
                     else:
                         row = {**row_from_result(json.loads((results / name).read_text()), key), **meta}
+                        if args.step_trace:
+                            record_window(args.out_dir, row, end=time.time())
                     append_row(rows_path, row)
                     failures += bool(row.get("error"))
                     current = None  # recorded
@@ -719,10 +729,81 @@ def render(out_dir: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows({k: r.get(k, "") for k in FIELDS} for r in rows)
     written = [md, out_csv]
+    steps_md = render_steps(out_dir, rows)
+    if steps_md is not None:
+        written.append(steps_md)
     png = out_dir / "plots" / "tpot_vs_throughput.png"
     if plot(rows, png):
         written.append(png)
     return written
+
+
+# ---------------------------------------------------------------- --step-trace: where each row's GPU time went
+
+def record_window(out_dir: Path, row: dict, end: float) -> None:
+    """The measured part of a row in wall seconds: the client's benchmark (its ``duration_s``, after the warm-up
+    requests) ending when the client exited."""
+    path = steps_dir(out_dir, row["backend"], row["kv_cache_dtype"], int(row["spec_tokens"]), int(row["layers"]))
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "windows.jsonl", "a") as f:
+        f.write(json.dumps({"key": list(row_key(row)), "start": end - float(row["duration_s"]) - WINDOW_SLACK_S,
+                            "end": end}) + "\n")
+
+
+WINDOW_SLACK_S = 0.2  # the client's clock starts just after the first request is sent
+
+
+def row_steps(out_dir: Path, row: dict) -> dict | None:
+    """``step_trace.summarise`` over a row's window (its latest), or None without a trace."""
+    from mla_backend_plugin.vllm import step_trace
+
+    path = steps_dir(out_dir, row["backend"], row["kv_cache_dtype"], int(row["spec_tokens"]), int(row["layers"]))
+    windows = path / "windows.jsonl"
+    if not windows.exists():
+        return None
+    key = list(row_key(row))
+    mine = [w for w in map(json.loads, windows.read_text().splitlines()) if w["key"] == key]
+    if not mine:
+        return None
+    steps = step_trace.read_steps(path)
+    return step_trace.summarise(steps, mine[-1]["start"], mine[-1]["end"]) if steps else None
+
+
+def render_steps(out_dir: Path, rows: list[dict]) -> Path | None:
+    """steps.md: per row with a step trace, the window's GPU time by step kind and CUDA-graph mode."""
+    lines = ["# Where each serving row's GPU time went (`--step-trace`)", "",
+             "Per row, the model steps of the measured window by kind (`decode`: one query length for every "
+             "request; `decode_mixed_q`: decodes of several query lengths; `mixed`: prefill chunks beside decodes; "
+             "`prefill`) and the CUDA-graph mode vLLM ran them in. share: of the window's GPU time (sum of step "
+             "periods, entry to next entry: idle gaps included); period / forward / host: medians in ms (forward: the "
+             "GPU from the step's entry to the end of its model forward; host: wall time in `execute_model`); "
+             "decodes: mean decode requests a step.", ""]
+    found = False
+    for key in sorted({_group_key(r) for r in rows}):
+        group = sorted((r for r in rows if _group_key(r) == key),
+                       key=lambda r: (_rate_order(r["request_rate"]), not r["backend"].startswith("CUTE_MLA"),
+                                      r["backend"]))
+        table = []
+        for r in group:
+            summary = row_steps(out_dir, r)
+            if summary is None:
+                continue
+            for i, (kind, k) in enumerate(summary["kinds"].items()):
+                head = (f"| {_label(r)} | {r['request_rate']} | {summary['steps']} | {summary['time_ms']:.0f} "
+                        if i == 0 else "| | | | ")
+                table.append(head + f"| {kind} | {k['steps']} | {100 * (k['share'] or 0):.1f} | "
+                             f"{_f(k['period_ms_p50'], 3)} | {_f(k['forward_ms_p50'], 3)} | "
+                             f"{_f(k['host_ms_p50'], 3)} | {k['decodes_mean']:.1f} |")
+        if table:
+            found = True
+            lines += [f"## {_group_title(key)}", "",
+                      "| backend | rate | steps | GPU ms | kind / graphs | steps | share % | period | forward | host | "
+                      "decodes |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", *table, ""]
+    if not found:
+        return None
+    path = out_dir / "steps.md"
+    path.write_text("\n".join(lines))
+    return path
 
 
 # ---------------------------------------------------------------- command line
@@ -766,6 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="CUTE_MLA, 2048x256, rates 4 and inf, 32 prompts, 16 layers, bf16, no speculation "
                         "(explicit options still win)")
+    p.add_argument("--step-trace", action="store_true",
+                   help="the servers record every model step (CUTE_MLA_STEP_TRACE); the report adds steps.md: each "
+                        "row's GPU time by step kind and CUDA-graph mode")
     p.add_argument("--dry-run", action="store_true", help="print the server and client commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="render the report from DIR/rows.csv")
     return p

@@ -231,6 +231,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Debugging and end-to-end tests: a directory. Every decode call an engine (vLLM, SGLang) makes outside "
            "CUDA-graph capture is recomputed with the float32 reference and its errors appended as one JSON line "
            "to `DIR/<pid>.jsonl` (slow; engines' worker processes inherit it).", kind="path"),
+    EnvVar("CUTE_MLA_STEP_TRACE", "",
+           "Diagnostics (vLLM, any attention backend): a directory. Every model step of the engine appends one JSON "
+           "line to `DIR/steps-<pid>.jsonl`: its requests, prefills, decode query lengths, CUDA-graph mode, host "
+           "time and GPU times from CUDA events (`benchmarks/bench_serve.py --step-trace` summarises them).",
+           kind="path"),
     EnvVar("FLASHINFER_CUBIN_DIR", "",
            "FlashInfer's own variable, read (never set) here: a directory of trtllm-gen cubins. FlashInfer's "
            "trtllm-gen MLA kernel is a tuner candidate only when its cubins are local (this directory, or the "

@@ -71,3 +71,43 @@ def test_token_requests_match_each_requests_causal_attention(kv_dtype, heads, ma
         assert_close_decode(out[rows], lse[rows], ref_out, ref_lse, kv_dtype,
                             msg=f"{KERNEL}: request {b} (q_len {n}, seq_len {seq_lens[b]})")
         start += n
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_speculative_step_of_mixed_drafts_runs_in_one_call(kv_dtype, monkeypatch):
+    """What vLLM hands decode with n-gram 1 when some of 128 requests have a draft and some not: the workspace an
+    engine makes for it (one draft token, token requests) holds the whole step, so the runner launches once, and
+    every request's rows are its own causal attention."""
+    heads, num_reqs = 128, 128
+    gen = torch.Generator().manual_seed(3)
+    query_lens = (torch.randint(1, 3, (num_reqs,), generator=gen)).tolist()
+    seq_lens = (torch.randint(2, 3000, (num_reqs,), generator=gen)).tolist()
+    fp8 = kv_dtype == FP8_DTYPE
+    inp = make_decode_inputs(num_reqs, seq_lens, 1, heads, 64, kv_dtype, "cat", "cuda", seed=13,
+                             kv_scale=0.5 if fp8 else None)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, 576, generator=torch.Generator(device="cuda").manual_seed(7),
+                    device="cuda").to(torch.bfloat16)
+    qsl = torch.tensor([0] + query_lens, device="cuda").cumsum(0).to(torch.int32)
+    tr = serving.token_requests(qsl, query_lens, inp.seq_lens, inp.block_table, tokens,
+                                q_len=serving.token_request_q_len(heads), max_seq_len=max(seq_lens), block_size=64)
+    ws = serving.make_workspace("cuda", max_num_seqs=num_reqs, num_speculative_tokens=1, num_heads=heads,
+                                out_dtype=torch.bfloat16, token_requests=True)
+    launches = []
+    real = serving.mla_decode
+    monkeypatch.setattr(serving, "mla_decode", lambda *a, **k: launches.append(1) or real(*a, **k))
+    poison_runner_outputs(monkeypatch)
+    runner = serving.DecodeRunner(inp.softmax_scale, "fp8" if fp8 else "auto")
+    out, lse = runner.decode(q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, token_requests=tr,
+                             kv_scale=torch.tensor(inp.kv_scale, device="cuda") if fp8 else None)
+    torch.cuda.synchronize()
+    assert len(launches) == 1, f"{KERNEL}: {len(launches)} launches for one speculative step"
+    start = 0
+    for b, n in enumerate(query_lens):
+        rows = slice(start, start + n)
+        ref_out, ref_lse = mla_decode_reference(q[rows, :, :512], q[rows, :, 512:], inp.kv_caches[0],
+                                                inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n,
+                                                inp.softmax_scale, kv_scale=inp.kv_scale)
+        assert_close_decode(out[rows], lse[rows], ref_out, ref_lse, kv_dtype,
+                            msg=f"{KERNEL}: request {b} (q_len {n}, seq_len {seq_lens[b]})")
+        start += n

@@ -156,5 +156,11 @@ def register() -> None:
     _declare_env_var()
     _honour_env_backend(selector_module)
     _log_through_vllm()
+    from mla_backend_plugin import envs
+
+    if envs.CUTE_MLA_STEP_TRACE:  # diagnostics, any backend: the model steps' timeline (vllm/step_trace.py)
+        from mla_backend_plugin.vllm import step_trace
+
+        step_trace.install(envs.CUTE_MLA_STEP_TRACE)
     _registered = True
     logger.debug("registered %s -> %s", BACKEND_NAME, BACKEND_CLASS_PATH)
