@@ -777,7 +777,8 @@ def render_steps(out_dir: Path, rows: list[dict]) -> Path | None:
              "`prefill`) and the CUDA-graph mode vLLM ran them in. share: of the window's GPU time (sum of step "
              "periods, entry to next entry: idle gaps included); period / forward / host: medians in ms (forward: the "
              "GPU from the step's entry to the end of its model forward; host: wall time in `execute_model`); "
-             "decodes: mean decode requests a step.", ""]
+             "decodes: mean decode requests a step; by requests: the median period of the kind's steps that schedule "
+             "that many requests (steps in brackets): compare servers at like batch sizes.", ""]
     found = False
     for key in sorted({_group_key(r) for r in rows}):
         group = sorted((r for r in rows if _group_key(r) == key),
@@ -790,15 +791,18 @@ def render_steps(out_dir: Path, rows: list[dict]) -> Path | None:
                 continue
             for i, (kind, k) in enumerate(summary["kinds"].items()):
                 head = (f"| {_label(r)} | {r['request_rate']} | {summary['steps']} | {summary['time_ms']:.0f} "
-                        if i == 0 else "| | | | ")
+                        if i == 0 else "| | | | ")  # a row's first kind carries its totals
                 table.append(head + f"| {kind} | {k['steps']} | {100 * (k['share'] or 0):.1f} | "
                              f"{_f(k['period_ms_p50'], 3)} | {_f(k['forward_ms_p50'], 3)} | "
-                             f"{_f(k['host_ms_p50'], 3)} | {k['decodes_mean']:.1f} |")
+                             f"{_f(k['host_ms_p50'], 3)} | {k['decodes_mean']:.1f} | "
+                             + ", ".join(f"{b}: {_f(ms, 2)} ({n})" for b, (n, ms) in
+                                         k["period_ms_p50_by_requests"].items()) + " |")
         if table:
             found = True
             lines += [f"## {_group_title(key)}", "",
                       "| backend | rate | steps | GPU ms | kind / graphs | steps | share % | period | forward | host | "
-                      "decodes |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", *table, ""]
+                      "decodes | period by requests |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+                      *table, ""]
     if not found:
         return None
     path = out_dir / "steps.md"

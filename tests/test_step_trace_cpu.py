@@ -104,12 +104,15 @@ def test_summarise_shares_and_window():
     cases = [(1.0, 4.0, 3.0, "decode", "FULL", 10), (2.0, 6.0, 5.0, "decode", "FULL", 10),
              (3.0, 30.0, 29.0, "mixed", "PIECEWISE", 9), (9.0, 99.0, 1.0, "decode", "FULL", 1)]
     steps = [{"t": t, "period_ms": p, "forward_ms": f, "host_ms": 0.1, "step_kind": k, "graph": g, "decodes": d,
-              "tokens": 2 * d} for t, p, f, k, g, d in cases]
+              "prefills": int(k == "mixed"), "tokens": 2 * d} for t, p, f, k, g, d in cases]
     s = step_trace.summarise(steps, start=0.5, end=5.0)
     assert s["steps"] == 3 and s["time_ms"] == 40.0
     assert list(s["kinds"]) == ["mixed/PIECEWISE", "decode/FULL"]  # by time
     assert s["kinds"]["decode/FULL"]["share"] == 0.25 and s["kinds"]["decode/FULL"]["period_ms_p50"] == 5.0
     assert s["kinds"]["mixed/PIECEWISE"]["forward_ms_p50"] == 29.0
+    assert s["kinds"]["decode/FULL"]["period_ms_p50_by_requests"] == {"9-16": (2, 5.0)}
+    s = step_trace.summarise(steps, start=2.0, end=2.003)  # the step at 2.0 s runs 6 ms: 3 of them in the window
+    assert s["time_ms"] == pytest.approx(3.0)
 
 
 def test_install_wraps_vllms_runner(tmp_path, monkeypatch):
@@ -159,7 +162,7 @@ def test_bench_serve_steps_report(tmp_path):
     bench_serve.record_window(tmp_path, row, end=1000.0)
     d = bench_serve.steps_dir(tmp_path, "CUTE_MLA", "auto", 1, 16)
     lines = [{"t": t, "period_ms": 5.0, "forward_ms": 4.0, "host_ms": 0.2, "step_kind": "decode", "graph": "FULL",
-              "decodes": 20, "tokens": 40} for t in (985.0, 991.0, 995.0, 999.0)]
+              "decodes": 20, "prefills": 0, "tokens": 40} for t in (985.0, 991.0, 995.0, 999.0)]
     (d / "steps-1.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     csv_row = {k: str(v) for k, v in row.items()}  # as read back from rows.csv
     summary = bench_serve.row_steps(tmp_path, csv_row)

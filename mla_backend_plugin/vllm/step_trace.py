@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 STEP_KINDS = ("decode", "decode_mixed_q", "mixed", "prefill")
+# requests a step schedules, in buckets: steps of one kind compare between servers only at like batch sizes
+REQUEST_BUCKETS = ((1, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 1 << 30))
 
 
 def step_composition(scheduler_output) -> dict:
@@ -190,9 +192,13 @@ def _median(values: list[float]) -> float | None:
 
 
 def summarise(steps: list[dict], start: float | None = None, end: float | None = None) -> dict:
-    """Per step kind (and the graph mode it ran in) within [start, end] (wall seconds): steps, the share of the
-    window's GPU time, median period / forward / host milliseconds, mean decode requests and tokens."""
+    """Per step kind (and the graph mode it ran in) within [start, end] (wall seconds; a period is cut at ``end``):
+    steps, the share of the window's GPU time, median period / forward / host milliseconds, mean decode requests
+    and tokens, and the median period by the requests a step schedules (``REQUEST_BUCKETS``: bucket -> (steps,
+    ms))."""
     chosen = [s for s in steps if (start is None or s["t"] >= start) and (end is None or s["t"] <= end)]
+    if end is not None:  # the window's last step runs on into the idle time after it: count what is inside
+        chosen = [{**s, "period_ms": min(s["period_ms"], (end - s["t"]) * 1e3)} for s in chosen]
     total = sum(s["period_ms"] for s in chosen)
     groups: dict[tuple[str, str], list[dict]] = {}
     for s in chosen:
@@ -206,5 +212,8 @@ def summarise(steps: list[dict], start: float | None = None, end: float | None =
             "period_ms_p50": _median([s["period_ms"] for s in group]),
             "forward_ms_p50": _median(forwards), "host_ms_p50": _median([s["host_ms"] for s in group]),
             "decodes_mean": round(sum(s["decodes"] for s in group) / len(group), 2),
+            "period_ms_p50_by_requests": {
+                f"{lo}-{hi}": (len(b), _median([s["period_ms"] for s in b])) for lo, hi in REQUEST_BUCKETS
+                if (b := [s for s in group if lo <= s["decodes"] + s["prefills"] <= hi])},
             "tokens_mean": round(sum(s["tokens"] for s in group) / len(group), 1)}
     return {"steps": len(chosen), "time_ms": round(total, 2), "kinds": kinds}
