@@ -36,6 +36,19 @@ def kernel(request, monkeypatch):
     return name
 
 
+def assert_each_request(q, inp, query_lens, seq_lens, out, lse, kv_dtype):
+    """Each request's rows (token order) against the float32 reference of its own causal q block."""
+    start = 0
+    for b, n in enumerate(query_lens):
+        rows = slice(start, start + n)
+        ref_out, ref_lse = mla_decode_reference(q[rows, :, :512], q[rows, :, 512:], inp.kv_caches[0],
+                                                inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n,
+                                                inp.softmax_scale, kv_scale=inp.kv_scale)
+        assert_close_decode(out[rows], lse[rows], ref_out, ref_lse, kv_dtype,
+                            msg=f"{KERNEL}: request {b} (q_len {n}, seq_len {seq_lens[b]})")
+        start += n
+
+
 @pytest.mark.parametrize("kv_dtype,heads,max_batch", [(torch.bfloat16, 128, 4), (FP8_DTYPE, 128, 8),
                                                       (torch.bfloat16, 16, 5), (FP8_DTYPE, 32, 128)],
                          ids=["bf16-h128-slices", "fp8-h128-slices", "bf16-h16-slices", "fp8-h32"])
@@ -62,15 +75,7 @@ def test_token_requests_match_each_requests_causal_attention(kv_dtype, heads, ma
     out, lse = runner.decode(q, inp.kv_caches[0], inp.block_table, inp.seq_lens, ws, token_requests=tr,
                              kv_scale=torch.tensor(inp.kv_scale, device="cuda") if fp8 else None)
     torch.cuda.synchronize()
-    start = 0
-    for b, n in enumerate(query_lens):
-        rows = slice(start, start + n)
-        ref_out, ref_lse = mla_decode_reference(q[rows, :, :512], q[rows, :, 512:], inp.kv_caches[0],
-                                                inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n,
-                                                inp.softmax_scale, kv_scale=inp.kv_scale)
-        assert_close_decode(out[rows], lse[rows], ref_out, ref_lse, kv_dtype,
-                            msg=f"{KERNEL}: request {b} (q_len {n}, seq_len {seq_lens[b]})")
-        start += n
+    assert_each_request(q, inp, query_lens, seq_lens, out, lse, kv_dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
@@ -102,12 +107,4 @@ def test_speculative_step_of_mixed_drafts_runs_in_one_call(kv_dtype, monkeypatch
                              kv_scale=torch.tensor(inp.kv_scale, device="cuda") if fp8 else None)
     torch.cuda.synchronize()
     assert len(launches) == 1, f"{KERNEL}: {len(launches)} launches for one speculative step"
-    start = 0
-    for b, n in enumerate(query_lens):
-        rows = slice(start, start + n)
-        ref_out, ref_lse = mla_decode_reference(q[rows, :, :512], q[rows, :, 512:], inp.kv_caches[0],
-                                                inp.block_table[b:b + 1], inp.seq_lens[b:b + 1], n,
-                                                inp.softmax_scale, kv_scale=inp.kv_scale)
-        assert_close_decode(out[rows], lse[rows], ref_out, ref_lse, kv_dtype,
-                            msg=f"{KERNEL}: request {b} (q_len {n}, seq_len {seq_lens[b]})")
-        start += n
+    assert_each_request(q, inp, query_lens, seq_lens, out, lse, kv_dtype)
