@@ -29,6 +29,7 @@ import atexit
 import collections
 import json
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -143,11 +144,11 @@ def install(directory: str) -> bool:
     trace = StepTrace(Path(directory) / f"steps-{os.getpid()}.jsonl")
     original = runner.execute_model
 
+    import torch  # the worker's: vLLM has it loaded already
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         if not scheduler_output.total_num_scheduled_tokens:
             return original(self, scheduler_output, *args, **kwargs)
-        import torch
-
         entry, t_host, wall = trace.begin(torch)
         out = original(self, scheduler_output, *args, **kwargs)
         trace.end(torch, scheduler_output, entry, t_host, wall)
@@ -184,11 +185,7 @@ def read_steps(directory: Path) -> list[dict]:
 
 
 def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+    return statistics.median(values) if values else None
 
 
 def summarise(steps: list[dict], start: float | None = None, end: float | None = None) -> dict:
