@@ -426,10 +426,10 @@ def _make_impl(cfg):
 
 
 def scenario_reserve_workspace() -> None:
-    """vLLM >= 0.33 calls each layer impl's reserve_workspace in its memory-profiling run, before it sizes the KV
-    cache: the workspace reserved there is the one the metadata builder takes (and its sizes are the builder's:
-    heads, requests, q_len, token requests); reserving again allocates nothing. Without a reservation (vLLM <= 0.32
-    never makes one) a builder allocates its own."""
+    """Each layer's impl reserves the decode workspace when the model is built (before any vLLM release measures
+    memory for the KV cache; vLLM >= 0.33 calls reserve_workspace again in its profiling run): the workspace
+    reserved there is the one the metadata builder takes (and its sizes are the builder's: heads, requests, q_len,
+    token requests); reserving again allocates nothing. Without a reservation a builder allocates its own."""
     import functools
     import json
 
@@ -449,8 +449,8 @@ def scenario_reserve_workspace() -> None:
         unreserved = _make_builder(cfg, 64).workspace
         assert _make_builder(cfg, 64).workspace is not unreserved  # nothing reserved: each builder its own
         impl = _make_impl(cfg)
-        impl.reserve_workspace()
         (reserved,) = [w for w in backend._reserved_workspaces.values() if w.num_heads == unreserved.num_heads]
+        impl.reserve_workspace()
         impl.reserve_workspace()
         _make_impl(cfg).reserve_workspace()  # the next layer
         assert [w for w in backend._reserved_workspaces.values() if w.num_heads == unreserved.num_heads] == [reserved]

@@ -70,8 +70,8 @@ class CuteMLAMetadataBuilder(compat.MLACommonMetadataBuilder[CuteMLAMetadata]):
             self.query_len_support = compat.QueryLenSupport.UNIFORM  # token requests are not built for DCP
         # Before warm-up and CUDA-graph capture: split-KV partials and the outputs that forward_mqa returns views
         # of. Under DCP, q holds the heads of the whole DCP group (gathered by vLLM). With short prefills on the
-        # decode path it also serves their slices of token requests. vLLM >= 0.33 reserved it in its memory
-        # profile (CuteMLAImpl.reserve_workspace), so the KV cache was sized around it.
+        # decode path it also serves their slices of token requests. The layers' impls reserved it when the model
+        # was built (CuteMLAImpl.reserve_workspace), so the KV cache was sized around it.
         self.workspace = engine_workspace(
             vllm_config, device, serving.check_num_heads(self.num_heads, self.dcp_world_size),
             token_requests=self.reorder_batch_threshold > serving.max_decode_q_len(num_spec))
@@ -158,8 +158,8 @@ def num_speculative_tokens(vllm_config: VllmConfig) -> int:
     return spec.num_speculative_tokens if spec is not None else 0
 
 
-# The decode workspaces vLLM's memory profile reserved (vLLM >= 0.33 calls MLAAttentionImpl.reserve_workspace in
-# its profiling run, before it sizes the KV cache), by what sizes them; the builder takes the one of its sizes.
+# The decode workspaces the layers' impls reserved when the model was built (and vLLM >= 0.33's profiling run
+# reserves again, finding them), by what sizes them; the builder takes the one of its sizes.
 _reserved_workspaces: dict[tuple, MLAWorkspace] = {}
 
 
@@ -253,10 +253,14 @@ class CuteMLAImpl(compat.MLACommonImpl[CuteMLAMetadata]):
         # default, where cute_sm90 runs it fastest; otherwise the kernels widen or split the model-dtype q)
         self.supports_quant_query_input = engine_fp8_query()
         self.runner = serving.DecodeRunner(scale, kv_cache_dtype, check=engine_check())
+        # at model construction, before any memory profile: vLLM 0.26 .. 0.32 never call reserve_workspace and
+        # measure the KV cache's room after loading the model, so the workspace must exist by then (else it is
+        # allocated past that budget); 0.33's profiling-run call then finds it
+        self.reserve_workspace()
 
     def reserve_workspace(self) -> None:
-        """vLLM >= 0.33, in its memory-profiling run (every layer; once is enough): allocate the workspace the
-        metadata builder will take, so that the KV cache is sized around it."""
+        """Allocate the workspace the metadata builder will take, so that the KV cache is sized around it: from
+        ``__init__`` (every vLLM release) and vLLM >= 0.33's memory-profiling run (every layer; once is enough)."""
         engine_workspace(self.engine_config, self.engine_config.device_config.device, self.total_heads,
                          self.token_requests, reserve=True)
 
