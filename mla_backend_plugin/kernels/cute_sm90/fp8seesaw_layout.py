@@ -87,6 +87,16 @@ def p_value_terms(v):
     return (v >> 3) << 4, 512 * ((v >> 1) & 1) + 2 * ((v >> 2) & 1) + (v & 1)
 
 
+def p_word_values(w):
+    """The 4 values (v0, v0 + 1, v0 + 4, v0 + 5) of a thread's S accumulator that ``store_p_t`` writes as its
+    4-byte word ``w`` (0..7), v0 = 8 (w >> 1) + 2 (w & 1): one row (same (v >> 1) & 1), keys 8 j + 2 (lane % 4)
+    + (0, 1) and + 8 + (0, 1), which ``slot_of_key`` puts at slots 4 (lane % 4) + 0..3 of one 16-slot group;
+    ``p_value_terms`` of the four are (xor, imm) .. (xor, imm + 3) with imm % 4 == 0, so the word is one aligned
+    ``st.shared.b32`` at ``p_value_terms(v0)`` (the 32 lanes' words of one store fall in 32 distinct banks)."""
+    v0 = 8 * (w >> 1) + 2 * (w & 1)
+    return v0, v0 + 1, v0 + 4, v0 + 5
+
+
 def s_value_coord(lane, warp, v):
     """(query row, key) of value ``v`` of a consumer thread's m64n64 S accumulator (the wgmma C layout)."""
     return 16 * warp + lane // 4 + 8 * ((v >> 1) & 1), 8 * (v >> 2) + 2 * (lane % 4) + (v & 1)

@@ -80,6 +80,7 @@ from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
     ot_column_index,
     p_thread_base,
     p_value_terms,
+    p_word_values,
 )
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS
 from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
@@ -117,17 +118,19 @@ def _ldsm_t4(addr, imm: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _st_e4m3x2(base, xor: int, imm: int, lo, hi, *, loc=None, ip=None):
-    """Two fp32 values as e4m3 (round to nearest, saturating) into the 2 bytes at shared address
-    ``(base ^ xor) + imm``, ``lo`` first (fp8seesaw_layout.p_thread_base: the XOR and the offset are immediates
-    inside the asm, so no per-value address is hoisted into a register)."""
+def _st_e4m3x4(base, xor: int, imm: int, b0, b1, b2, b3, *, loc=None, ip=None):
+    """Four fp32 values as e4m3 (round to nearest, saturating) into the 4 bytes at shared address
+    ``(base ^ xor) + imm`` (4-byte aligned), ``b0`` in the lowest byte (fp8seesaw_layout.p_thread_base and
+    p_word_values: the XOR and the offset are immediates inside the asm, so no per-value address is hoisted into
+    a register). One ``st.shared.b32`` where two ``st.shared.b16`` of e4m3 pairs were (the same bytes)."""
     llvm.inline_asm(
         None,
-        [cutlass.Int32(base).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip),
-         cutlass.Float32(hi).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 t; .reg .b32 a; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; xor.b32 a, $0, {xor}; "
-        f"st.shared.b16 [a+{imm}], t; }}",
-        "r,f,f", has_side_effects=True, is_align_stack=False,
+        [cutlass.Int32(base).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (b0, b1, b2, b3)],
+        f"{{ .reg .b16 t0, t1; .reg .b32 a, w; cvt.rn.satfinite.e4m3x2.f32 t0, $2, $1; "
+        f"cvt.rn.satfinite.e4m3x2.f32 t1, $4, $3; mov.b32 w, {{t0, t1}}; xor.b32 a, $0, {xor}; "
+        f"st.shared.b32 [a+{imm}], w; }}",
+        "r,f,f,f,f", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -296,24 +299,43 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         warpgroup.commit_group()
 
     @cute.jit
-    def load_vt(self, rV32, thread_addr, side: cutlass.Constexpr, k: cutlass.Constexpr, lane, valid):
+    def load_vt(self, rV32, thread_addr, side: cutlass.Constexpr, k: cutlass.Constexpr, lane, valid, r=None):
         """This thread's V^T A fragments of k-step ``k`` of a tile (4 m-tiles x a0..a3, into ``rV32``) for group
         ``side``'s latent chunks 4 side .. + 3: ldmatrix.trans.x4 + prmt (fp8seesaw_layout), the bytes of keys >=
-        ``valid`` zeroed."""
-        masks = []
-        for h in cutlass.range_constexpr(2):
-            m = cutlass.Int32(0)
-            for q in cutlass.range_constexpr(4):
-                keep = 0 - cutlass.Int32(fragment_key(lane, k, 2 * h, q) < valid)
-                m = m | (keep & BYTE_MASKS[q])
-            masks.append(m)
+        ``valid`` zeroed. ``r``: the k-step's ``ldsm_vt`` registers when the caller issued the loads earlier."""
+        # Every ldmatrix of the k-step is issued (into a register array) before the first byte permute, so the
+        # four loads are in flight together. (ptxas had already scheduled the loads so: the SASS is the same;
+        # the order is now the source's.)
+        if cutlass.const_expr(r is None):
+            r = self.ldsm_vt(thread_addr, side, k)
         for mt in cutlass.range_constexpr(M_TILES):
-            r = _ldsm_t4(thread_addr, ldsm_immediate(4 * side + mt, k))
             base = 4 * mt
-            rV32[base + 0] = _prmt(r[0], r[1], PRMT_LO) & masks[0]
-            rV32[base + 1] = _prmt(r[0], r[1], PRMT_HI) & masks[0]
-            rV32[base + 2] = _prmt(r[2], r[3], PRMT_LO) & masks[1]
-            rV32[base + 3] = _prmt(r[2], r[3], PRMT_HI) & masks[1]
+            rV32[base + 0] = _prmt(r[mt][0], r[mt][1], PRMT_LO)
+            rV32[base + 1] = _prmt(r[mt][0], r[mt][1], PRMT_HI)
+            rV32[base + 2] = _prmt(r[mt][2], r[mt][3], PRMT_LO)
+            rV32[base + 3] = _prmt(r[mt][2], r[mt][3], PRMT_HI)
+        # Keys >= valid (past the item's end: TMA loads whole page slices, so their bytes may be NaN / inf, and
+        # P = 0 there does not help, 0 x NaN = NaN) are zeroed byte by byte; the masks are computed and applied
+        # only when this k-step holds such a key. The k-step's keys are 32 k .. 32 k + 31 (fragment_key), so for
+        # valid >= 32 (k + 1) every mask is all ones and skipping them changes no bit. ``valid`` (kv_end - the
+        # tile's first key) is the same for the whole CTA, so the branch is uniform; it is taken on the tile
+        # holding kv_end (wherever in the split that falls) and on a tile past it (valid <= 0, all zeroed), as
+        # design B's transpose_v chooses its masked form by valid < BLOCK_N.
+        if valid < 32 * (k + 1):
+            masks = []
+            for h in cutlass.range_constexpr(2):
+                m = cutlass.Int32(0)
+                for q in cutlass.range_constexpr(4):
+                    keep = 0 - cutlass.Int32(fragment_key(lane, k, 2 * h, q) < valid)
+                    m = m | (keep & BYTE_MASKS[q])
+                masks.append(m)
+            for i in cutlass.range_constexpr(4 * M_TILES):
+                rV32[i] = rV32[i] & masks[(i >> 1) & 1]
+
+    def ldsm_vt(self, thread_addr, side, k):
+        """The 4 ldmatrix.trans.x4 of k-step ``k`` (one per m-tile, 16 registers), back to back: the rows that
+        ``load_vt`` permutes into the A fragments."""
+        return [_ldsm_t4(thread_addr, ldsm_immediate(4 * side + mt, k)) for mt in range(M_TILES)]
 
     @cute.jit
     def pv_thread_addr(self, rings, k_base, tile, warp, lane):
@@ -323,12 +345,12 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def pv_step(self, pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side: cutlass.Constexpr,
-                k: cutlass.Constexpr, lane, valid):
+                k: cutlass.Constexpr, lane, valid, r=None):
         """k-step ``k`` of O^T += V_tile^T P^T for this group's 256 latent columns: load the step's fragments and
         issue its 4 m-tiles as one wgmma group (the caller waits for the previous step before reusing ``rV``); the
         tile is released after the last step's loads (this warp's last read of it: the wgmmas read registers and
         P^T)."""
-        self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, k, lane, valid)
+        self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, k, lane, valid, r)
         if cutlass.const_expr(k == PV_STEPS - 1):
             if lane == 0:
                 rings.empty_k.arrive(tile)
@@ -342,10 +364,13 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         """Both k-steps of O^T += V_tile^T P^T, with a wait between them (32 fragment registers at once made ptxas
         serialise every wgmma)."""
         thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
-        for k in cutlass.range_constexpr(PV_STEPS):
-            if cutlass.const_expr(k > 0):
-                warpgroup.wait_group(0)  # the previous k-step's fragments are free
-            self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, k, lane, valid)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid)
+        # k-step 1's ldmatrix before the wait for k-step 0, into 16 registers of their own (rV is still the
+        # wgmma's): their latency passes under the wait, so the permutes after it do not stall on them. The
+        # stage stays held until k-step 1's permutes are done (pv_step's release). (0 spills, waits unchanged.)
+        r1 = self.ldsm_vt(thread_addr, side, 1)
+        warpgroup.wait_group(0)  # the previous k-step's fragments are free
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1)
 
     @cute.jit
     def issue_pv_t_then_qk(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
@@ -356,12 +381,13 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         one retires the first k-step)."""
         thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
         self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid)
+        r1 = self.ldsm_vt(thread_addr, side, 1)  # k-step 1's loads under the S issue and the wait (issue_pv_t)
         if has_next:
             self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, next_tile)
             warpgroup.wait_group(1)
         else:
             warpgroup.wait_group(0)
-        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1)
 
     @cute.jit
     def store_p_t(self, acc_s, p_addr, factor, scaled: cutlass.Constexpr, warp, lane):
@@ -370,12 +396,16 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         m64n64 accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (lane % 4) + (v & 1));
         fenced for the wgmma (async proxy)."""
         base = p_addr + p_thread_base(lane, warp)
-        for v in cutlass.range_constexpr(0, cute.size(acc_s), 2):
+        # 4-byte stores: values v0, v0 + 1 (keys 2 (lane % 4) + 0, 1 of an 8-key column group) and v0 + 4, v0 + 5
+        # (the same keys + 8) of one row sit at slots 4 (lane % 4) + 0..3 (slot_of_key), one aligned word, so
+        # this thread stores them together with no shuffle (p_word_values); 8 STS.32 instead of 16 STS.U16
+        for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
+            vals = p_word_values(w)
             f = P_SCALE
             if cutlass.const_expr(scaled):
-                f = factor[(v >> 1) & 1] * P_SCALE
-            xor, imm = p_value_terms(v)
-            _st_e4m3x2(base, xor, imm, acc_s[v] * f, acc_s[v + 1] * f)
+                f = factor[(vals[0] >> 1) & 1] * P_SCALE
+            xor, imm = p_value_terms(vals[0])
+            _st_e4m3x4(base, xor, imm, *(acc_s[v] * f for v in vals))
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
