@@ -68,8 +68,8 @@ def test_fp8_design_by_batch_unless_named(monkeypatch):
                                                                                launch.FP8_DEQUANT_MAX_BATCH + 1))
     assert not variant_for(small).fp8_mma and variant_for(large).fp8_mma
     assert launch.default_config(small, (9, 0)).fp8_design == "dequant"
-    # an fp8 q has no hi + lo split to pay for: never design A; design C from batch 32
-    for batch, design in ((1, "fp8mma"), (31, "fp8mma"), (32, "fp8seesaw"), (64, "fp8seesaw")):
+    # an fp8 q has no hi + lo split to pay for: never design A; design C from batch 16
+    for batch, design in ((1, "fp8mma"), (15, "fp8mma"), (16, "fp8seesaw"), (64, "fp8seesaw")):
         fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=batch)
         assert variant_for(fp8_q).fp8_mma and variant_for(fp8_q).fp8_seesaw == (design == "fp8seesaw")
         assert launch.default_config(fp8_q, (9, 0)).fp8_design == design
@@ -552,9 +552,10 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     """The host half of the fused combine: the split kernel is told to merge (mode COOPERATIVE where the grid
     fits at once, LAST_CTA where it does not, with the workspace's counters) exactly when no combine kernel
     follows, and told not to (mode 0) whenever one does: a launch that did both or neither would merge twice or
-    leave the output unwritten. LAST_CTA is taken outside CUDA-graph capture under the default policy (``eager``),
-    also inside under ``always``, never under ``never``, with ``fused_combine`` off or where the plan has more than
-    LAST_CTA_MAX_MEAN_SPLITS work items per request. The compiled kernel and the combine are stand-ins."""
+    leave the output unwritten. LAST_CTA is taken outside CUDA-graph capture under the default policy (``eager``)
+    at any split count, also inside under ``always`` where the plan has at most LAST_CTA_MAX_MEAN_SPLITS work items
+    per request, never under ``never`` or with ``fused_combine`` off. The compiled kernel and the combine are
+    stand-ins."""
     from mla_backend_plugin.kernels.combine import kernel as combine
     from mla_backend_plugin.ops import MLAWorkspace
 
@@ -584,14 +585,16 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
 
     merges_in_kernel(run(1), COOPERATIVE)
     merges_in_kernel(run(32), LAST_CTA)  # 194 CTAs > 132 SMs: each request's last CTA merges its ~3 splits
-    split, after = run(8)  # 146 CTAs, 73 work items: 9 splits a request are the combine kernel's
-    assert split[2] == 0 and after == ("combine",)
+    merges_in_kernel(run(8), LAST_CTA)  # 146 CTAs, 73 work items: 9 splits a request, eager: merged in the kernel
     assert launch.launch_setup(_args(q_len=1, batch=8), ws, launch.default_config(_args(), (9, 0)))[2].grid_items \
         > launch.LAST_CTA_MAX_MEAN_SPLITS * 8
+    merges_in_kernel(run(8, last_cta_combine="always"), LAST_CTA)
     capturing[0] = True
     split, after = run(32)  # in a graph under "eager": the combine kernel follows
     assert split[2] == 0 and after == ("combine",)
     merges_in_kernel(run(32, last_cta_combine="always"), LAST_CTA)
+    split, after = run(8, last_cta_combine="always")  # in a graph, 9 splits a request: the combine kernel
+    assert split[2] == 0 and after == ("combine",)
     merges_in_kernel(run(1), COOPERATIVE)
     capturing[0] = False
     split, after = run(32, last_cta_combine="never")
@@ -613,6 +616,9 @@ def test_launch_skips_the_combine_kernel_exactly_when_the_kernel_fuses_it(monkey
     plan = launch.launch_setup(_args(q_len=1, batch=32), ws, default)[2]
     assert launch.last_cta_merges(_args(q_len=1, batch=32), plan, default, 64) == "eager"
     assert launch.last_cta_merges(_args(q_len=1, batch=32), plan, default, 63) is None
+    many = launch.launch_setup(_args(q_len=1, batch=8), ws, default)[2]
+    always = dataclasses.replace(default, last_cta_combine="always")
+    assert launch.last_cta_merges(_args(q_len=1, batch=8), many, always, 64) == "eager"
 
 
 def test_the_counters_cover_the_workspace_s_largest_step():

@@ -79,8 +79,11 @@ FP8_DEQUANT_MAX_BATCH = 2
 # fp8seesaw_h100/design_c, design_b): C is 1.00-1.09x FlashMLA fp8 at B >= 32 and S >= 4096 where B is 0.93-1.03x,
 # and the slower design where a CTA has few tiles (S = 1024, B <= 8); the rule's geomean over the 48 cells 1.021x
 # FlashMLA against design B's 0.994x. compute-sanitizer's racecheck is clean on it since its in-group meeting is an
-# mbarrier (kernel_fp8seesaw.py). Design C stays a tuner candidate at every batch (configs).
-FP8_SEESAW_MIN_BATCH = 32
+# mbarrier (kernel_fp8seesaw.py). Design C stays a tuner candidate at every batch (configs). From batch 16 since its
+# schedule edits (H200, 2026-11-29, benchmarks/results/fp8_small_batch_h200/: C against B at B 2-24 x S 1k-32k x
+# q_len 1-2): C's time / B's geomean 0.883 at B=24 (0.78-1.07), 0.950 at B=16 (0.81-1.18, slower only at S = 1k),
+# 1.01 at B=8, 1.05-1.2 at B 2-4.
+FP8_SEESAW_MIN_BATCH = 16
 
 
 def fp8_design_for(args) -> str:
@@ -241,23 +244,25 @@ def fuses_combine(args, plan, wanted: bool = True) -> bool:
     return ctas <= min(_device_sms(args.q_nope.device.index), COMBINE_COUNTERS)
 
 
-# LAST_CTA only where the plan's work items per request (its mean split count) are at most this: one CTA merges
-# a request's 64 rows over all of its splits at the end of the grid, which the combine kernel spreads over many
-# CTAs. H200, 2026-11-28 (bench_decode, graphs, the first merge loop): at 9 splits a request (B=8, 128 heads)
-# it cost +15 us a call, at ~3 (B=32 S=1k) +15 us, at <= 2 (B >= 64) -6 .. +3%.
+# LAST_CTA in CUDA graphs only where the plan's work items per request (its mean split count) are at most this:
+# one CTA merges a request's 64 rows over all of its splits at the end of the grid, which the combine kernel spreads
+# over many CTAs. H200, 2026-11-28 (bench_decode, graphs, the first merge loop): at 9 splits a request (B=8, 128
+# heads) it cost +15 us a call, at ~3 (B=32 S=1k) +15 us, at <= 2 (B >= 64) -6 .. +3%. Eager calls take it at any
+# split count: there the combine kernel's launch costs 30-50 us of host time, more than the merge costs the GPU.
 LAST_CTA_MAX_MEAN_SPLITS = 4
 
 
 def last_cta_merges(args, plan, config: LaunchConfig, counters: int) -> str | None:
     """When a split grid too large for COOPERATIVE merges in the kernel by each request's last CTA (LAST_CTA:
-    nobody waits, so any grid): the config's ``last_cta_combine`` ("eager" or "always"), or None (the combine
-    kernel): with ``fused_combine`` off, policy "never", no split, more than LAST_CTA_MAX_MEAN_SPLITS work items
-    per request, or fewer ``counters`` in the workspace than (requests x m-blocks)."""
+    nobody waits, so any grid): the config's ``last_cta_combine`` ("eager" or "always"); "eager" where the plan
+    has more than LAST_CTA_MAX_MEAN_SPLITS work items per request (graphs keep the combine kernel there); or None
+    (the combine kernel): with ``fused_combine`` off, policy "never", no split, or fewer ``counters`` in the
+    workspace than (requests x m-blocks)."""
     if not (plan.has_combine and config.fused_combine and config.last_cta_combine != "never"):
         return None
-    if plan.grid_items > LAST_CTA_MAX_MEAN_SPLITS * args.batch:
+    if args.batch * m_blocks(args.num_heads, args.q_len) > counters:
         return None
-    return config.last_cta_combine if args.batch * m_blocks(args.num_heads, args.q_len) <= counters else None
+    return "eager" if plan.grid_items > LAST_CTA_MAX_MEAN_SPLITS * args.batch else config.last_cta_combine
 
 
 def combine_mode(fused: bool, last_cta: str | None, device: torch.device) -> int:
