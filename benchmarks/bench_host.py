@@ -96,10 +96,12 @@ class ServingPath:
         return PeerCall(launch, lambda raw: raw)
 
 
-def host_times_us(call, iters: int, split: LaunchSplit | None = None, per_drain: int = 1) -> list[float]:
+def host_times_us(call, iters: int, split: LaunchSplit | None = None, per_drain: int = 1,
+                  walls: list[float] | None = None) -> list[float]:
     """Per group of ``per_drain`` calls (``call(i)``, i counting calls from 0): drain the GPU, then time the group's
     host side back to back (the launches return before the kernels end), as a mixed step runs its layers; us per call.
-    With ``split``, also what the calls spent inside their launches (``split.per_call``)."""
+    With ``split``, also what the calls spent inside their launches (``split.per_call``); with ``walls``, also the
+    group's time until the GPU finished it, per call (host and GPU overlapped: an eager step's attention share)."""
     for i in range(5):
         call(i)
     out = []
@@ -113,6 +115,9 @@ def host_times_us(call, iters: int, split: LaunchSplit | None = None, per_drain:
         dt = (time.perf_counter_ns() - t) / per_drain
         if split is not None:
             split.stop(dt, per_drain)
+        if walls is not None:
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter_ns() - t) / per_drain / 1e3)
         out.append(dt / 1e3)
     torch.cuda.synchronize()
     return out
@@ -449,6 +454,7 @@ def main(argv=None) -> int:
             lines += [f"## kv {kv}, S = {s}", "", "| runner | " + " | ".join(f"B={c.batch}" for c in cells) + " |",
                       "|---|" + "---:|" * len(cells)]
             results: dict[str, list[str]] = {}
+            wall_results: dict[str, list[str]] = {}
             for cell in cells:
                 inputs = cell_inputs(cell, device)
                 tuned.set_seq_profile([cell.seq_len])
@@ -456,6 +462,7 @@ def main(argv=None) -> int:
                     why = runner.unsupported_reason(cell, cc)
                     if why:
                         results.setdefault(runner.name, []).append("n/a")
+                        wall_results.setdefault(runner.name, []).append("n/a")
                         continue
                     try:
                         ours = runner.name == SERVING
@@ -463,9 +470,12 @@ def main(argv=None) -> int:
                         if split is not None:
                             split.per_call = []
                         call = runner.prepare(cell, inputs)
-                        timed = host_times_us(lambda i, c=call: c.launch(0), args.iters, split, args.layers)
+                        walls: list[float] = []
+                        timed = host_times_us(lambda i, c=call: c.launch(0), args.iters, split, args.layers, walls)
                         med, lo, hi = summary(timed)
                         results.setdefault(runner.name, []).append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
+                        med, lo, hi = summary(walls)
+                        wall_results.setdefault(runner.name, []).append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
                         if split is not None:
                             splits.append(split.row(cell.label(), torch_launch_us(device, args.iters, args.layers)))
                         if ours and args.profile_top:
@@ -474,9 +484,13 @@ def main(argv=None) -> int:
                             profiles.append((cell.label(), profile_text(prof, args.profile_top, args.iters)))
                     except Exception as e:  # noqa: BLE001 - one runner's failure is a row, not the end
                         results.setdefault(runner.name, []).append(f"error: {type(e).__name__}: {str(e)[:80]}")
+                        wall_results.setdefault(runner.name, []).append("error")
                 del inputs
                 torch.cuda.empty_cache()
             lines += [f"| {name} | " + " | ".join(texts) + " |" for name, texts in results.items()] + [""]
+            lines += ["Until the GPU finished the step (host and GPU overlapped, us per call):", "",
+                      "| runner | " + " | ".join(f"B={c.batch}" for c in cells) + " |", "|---|" + "---:|" * len(cells)]
+            lines += [f"| {name} | " + " | ".join(texts) + " |" for name, texts in wall_results.items()] + [""]
     if splits:
         lines += ["## Where a serving call's host time goes (`--breakdown`, median us per call)", "",
                   "Inside the compiled CuTe functions (the split kernel, and the step-plan kernel on a step's first "
