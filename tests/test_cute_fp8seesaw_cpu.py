@@ -245,7 +245,7 @@ def test_fp8seesaw_in_the_environment_is_a_preference(monkeypatch):
     assert fp8_design_for(SimpleNamespace(batch=1, q_dtype=torch.bfloat16)) == "dequant"
 
 
-def test_auto_takes_design_c_for_an_fp8_q_from_batch_32(monkeypatch):
+def test_auto_takes_design_c_for_an_fp8_q_from_fp8_seesaw_min_batch(monkeypatch):
     """``auto``: an fp8 q runs design C from FP8_SEESAW_MIN_BATCH (where it measured faster than design B and
     FlashMLA), design B below; a 16-bit q never runs design C (it takes an fp8 q only)."""
     from types import SimpleNamespace
@@ -256,8 +256,8 @@ def test_auto_takes_design_c_for_an_fp8_q_from_batch_32(monkeypatch):
 
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "auto")
     fp8 = torch.float8_e4m3fn
-    assert FP8_SEESAW_MIN_BATCH == 32
-    assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=fp8)) for b in (1, 2, 31, 32, 256)] == [
+    assert FP8_SEESAW_MIN_BATCH == 16
+    assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=fp8)) for b in (1, 2, 15, 16, 256)] == [
         "fp8mma", "fp8mma", "fp8mma", "fp8seesaw", "fp8seesaw"]
     assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=torch.bfloat16)) for b in (2, 3, 32, 256)] == [
         "dequant", "fp8mma", "fp8mma", "fp8mma"]
