@@ -56,10 +56,12 @@ def main(argv=None) -> int:
         print(f"{run.name} / {args.runs[0].name}: {len(ratios)} cells, time ratio geomean {geo:.4f}, "
               f"min {min(ratios)[0]:.3f}, max {max(ratios)[0]:.3f}"
               + (f"; {len(missing)} cells timed in only one run" if missing else ""))
-        for ratio, cell, a, b in sorted(ratios)[::-1][:args.show]:
-            print(f"  slower  {cell}: {a:.1f} -> {b:.1f} us ({ratio:.3f})")
-        for ratio, cell, a, b in sorted(ratios)[:args.show]:
-            print(f"  faster  {cell}: {a:.1f} -> {b:.1f} us ({ratio:.3f})")
+        # the highest and the lowest ratios, each cell listed once, named by what it is (> 1: the later run slower)
+        shown = sorted(ratios)[::-1][:args.show]
+        shown += [r for r in sorted(ratios)[:args.show] if r not in shown]
+        for ratio, cell, a, b in shown:
+            print(f"  {'slower' if ratio > 1 else 'faster' if ratio < 1 else 'same'}  {cell}: {a:.1f} -> {b:.1f} us "
+                  f"({ratio:.3f})")
     return 0
 
 

@@ -455,7 +455,8 @@ def test_warm_up_hook_runs_once_and_never_during_capture(monkeypatch):
 def test_decode_warm_up_runs_every_batch_and_q_len_the_eager_steps_can_bring(monkeypatch):
     """warm_up_decode: one serving call per (q_len 1 .. the workspace's, batch 1 .. the workspace's), with the
     deployment's q form and scale form and the profile's choice (max_seq_len None); a q_len no kernel serves is
-    skipped, not fatal. run_once runs it once, given the engine's workspace, on a GPU device only, unless
+    skipped, not fatal. run_once runs it once per workspace and deployment (a second builder on the same
+    workspace reuses its report), given the engine's workspace, on a GPU device only, unless
     CUTE_MLA_DECODE_WARMUP=0 (an n-gram engine JIT-compiled the combine's q_len-1 plans during inference)."""
     from mla_backend_plugin.ops import serving
 
@@ -491,6 +492,9 @@ def test_decode_warm_up_runs_every_batch_and_q_len_the_eager_steps_can_bring(mon
     hook.run_once("cuda:0", ws)
     hook.run_once("cuda:0", ws)
     assert ran == [ws] and hook.report["warm_up"] == {"calls": 1}
+    again = serving.DeploymentTuning(dep)  # a second builder on the same workspace (vLLM 0.26's memory profile)
+    again.run_once("cuda:0", ws)
+    assert ran == [ws] and again.report["warm_up"] == {"calls": 1}
     monkeypatch.setenv("CUTE_MLA_DECODE_WARMUP", "0")
     serving.DeploymentTuning(dep).run_once("cuda:0", ws)
     assert ran == [ws]

@@ -395,8 +395,15 @@ class DeploymentTuning:
             logger.warning("mla_decode: autotune: warm-up tuning failed, the static kernel table is used: %s: %s",
                            type(e).__name__, e)
         if workspace is not None and device.type == "cuda" and envs.CUTE_MLA_DECODE_WARMUP:
+            # once per workspace and deployment: vLLM 0.26's CUDA-graph memory profile builds a throw-away
+            # builder before the real one, and both take the layers' reserved workspace
+            done = workspace.decisions.get(("decode_warm_up", repr(self.deployment)))
+            if done is not None:
+                self.report["warm_up"] = done[0]
+                return
             try:
                 self.report["warm_up"] = warm_up_decode(self.deployment, workspace)
+                workspace.decisions[("decode_warm_up", repr(self.deployment))] = (self.report["warm_up"],)
             except Exception as e:  # noqa: BLE001 - a failed warm-up only leaves work to the first calls
                 logger.warning("mla_decode: decode warm-up failed (first calls of new shapes compile what they "
                                "need): %s: %s", type(e).__name__, e)
