@@ -397,13 +397,13 @@ class DeploymentTuning:
         if workspace is not None and device.type == "cuda" and envs.CUTE_MLA_DECODE_WARMUP:
             # once per workspace and deployment: vLLM 0.26's CUDA-graph memory profile builds a throw-away
             # builder before the real one, and both take the layers' reserved workspace
-            done = workspace.decisions.get(("decode_warm_up", repr(self.deployment)))
-            if done is not None:
-                self.report["warm_up"] = done[0]
+            key = ("decode_warm_up", repr(self.deployment))
+            if key in workspace.decisions:
+                self.report["warm_up"] = workspace.decisions[key][0]
                 return
             try:
                 self.report["warm_up"] = warm_up_decode(self.deployment, workspace)
-                workspace.decisions[("decode_warm_up", repr(self.deployment))] = (self.report["warm_up"],)
+                workspace.decisions[key] = (self.report["warm_up"],)
             except Exception as e:  # noqa: BLE001 - a failed warm-up only leaves work to the first calls
                 logger.warning("mla_decode: decode warm-up failed (first calls of new shapes compile what they "
                                "need): %s: %s", type(e).__name__, e)
