@@ -16,6 +16,11 @@ arrival process at each ``--rates`` value, ``inf`` sending every prompt at once.
 
 Per row: request throughput, output tokens/s, TTFT / TPOT / ITL median and p99 (vLLM's definitions: TPOT excludes
 the first token; ITL is the gap between streamed chunks, so with speculation a chunk may carry several tokens).
+Before its first row each server takes a warm-up burst (``--warmup-burst`` prompts of the first row's shape sent at
+once, short outputs, not recorded): chunked prefill with context, decode steps of mixed query lengths and the
+speculative sampler run once, so vLLM's first-use JIT compiles of its own Triton kernels (0.1-0.5 s stalls that
+lengthen every request in flight) land before the measured rows; one that still lands inside a row's measured window
+is named in the row (``jit_in_window``, from the server log's JIT-monitor warnings) and in the report.
 Rows append to ``DIR/rows.csv`` as each finishes; a re-run skips the rows already there (same backend, KV dtype,
 n-gram, layers, shape, rate, prompts and max_num_seqs) and starts no server whose rows are all done. ``--budget-s``
 ends a call before a device limit cuts it: no row starts that its estimate says would not finish, the client is
@@ -32,6 +37,7 @@ import csv
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,7 +67,7 @@ METRIC_FIELDS = ("completed", "failed", "duration_s", "request_throughput", "out
                  "total_token_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
                  "itl_p99_ms", "e2el_p50_ms", "e2el_p99_ms", "max_concurrent_requests", "spec_acceptance_rate",
                  "spec_acceptance_length")
-INFO_FIELDS = ("server_start_s", "gpu", "date", "error")
+INFO_FIELDS = ("server_start_s", "gpu", "date", "jit_in_window", "error")
 FIELDS = KEY_FIELDS + METRIC_FIELDS + INFO_FIELDS
 # vllm bench serve's result JSON -> our column (the percentiles asked for with --metric-percentiles 50,99)
 RESULT_KEYS = {"completed": "completed", "failed": "failed", "duration": "duration_s",
@@ -285,17 +291,51 @@ def steps_dir(out_dir: Path, backend: str, kv_cache_dtype: str, spec: int, layer
 
 
 def client_command(args, port: int, shape: tuple[int, int], rate: str, result_dir: Path,
-                   result_name: str) -> list[str]:
-    """``vllm bench serve`` for one row: random prompts of exactly ``shape`` tokens, JSON result saved."""
+                   result_name: str, num_prompts: int | None = None, num_warmups: int | None = None,
+                   seed: int | None = None) -> list[str]:
+    """``vllm bench serve`` for one row: random prompts of exactly ``shape`` tokens, JSON result saved (the
+    row's ``--num-prompts``, ``--num-warmups`` and ``--seed`` unless given)."""
     input_len, output_len = shape
+    num_prompts = args.num_prompts if num_prompts is None else num_prompts
+    num_warmups = args.num_warmups if num_warmups is None else num_warmups
+    seed = args.seed if seed is None else seed
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
             "--base-url", f"http://{HOST}:{port}", "--endpoint", "/v1/completions", "--model", str(args.model_dir),
             "--tokenizer", str(args.model_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--random-range-ratio", "0", "--ignore-eos",
-            "--temperature", "0", "--seed", str(args.seed), "--num-prompts", str(args.num_prompts),
-            "--request-rate", rate, "--num-warmups", str(args.num_warmups), "--percentile-metrics",
+            "--temperature", "0", "--seed", str(seed), "--num-prompts", str(num_prompts),
+            "--request-rate", rate, "--num-warmups", str(num_warmups), "--percentile-metrics",
             "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir",
             str(result_dir), "--result-filename", result_name]
+
+
+WARMUP_BURST_OUTPUT = 32  # output tokens of each warm-up burst prompt: enough decode steps for drafts to mix
+WARMUP_BURST_ESTIMATE_S = 30.0  # its wall time, for --budget-s
+
+
+def warmup_burst_command(args, port: int, shape: tuple[int, int], result_dir: Path, name: str) -> list[str]:
+    """The warm-up burst before a server's first row: ``--warmup-burst`` prompts of ``shape``'s input length at
+    once (a seed no row uses), short outputs, no warm-up of its own."""
+    return client_command(args, port, (shape[0], min(shape[1], WARMUP_BURST_OUTPUT)), "inf", result_dir, name,
+                          num_prompts=args.warmup_burst, num_warmups=0, seed=args.seed + 1)
+
+
+JIT_WARNING = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\s+\[jit_monitor\.py:\d+\][^\n]*"
+                         r"JIT compilation during inference: ([A-Za-z0-9_]+)")
+
+
+def jit_compiles(log_text: str, start: float, end: float, year: int | None = None) -> list[str]:
+    """Kernels vLLM's JIT monitor reports compiled during inference between wall times ``start`` and ``end``
+    (epoch seconds; the log's local-time stamps have whole seconds and no year: the window is widened by one
+    second each side)."""
+    year = year or time.localtime(end).tm_year
+    names = []
+    for m in JIT_WARNING.finditer(log_text):
+        month, day, hh, mm, ss = (int(g) for g in m.groups()[:5])
+        t = time.mktime((year, month, day, hh, mm, ss, 0, 0, -1))
+        if start - 1.0 <= t <= end + 1.0:
+            names.append(m.group(6))
+    return names
 
 
 # ---------------------------------------------------------------- rows.csv: append, resume, skip
@@ -332,6 +372,15 @@ def append_row(path: Path, row: dict) -> None:
     if unknown:
         raise ValueError(f"row has fields rows.csv does not keep: {sorted(unknown)}")
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != FIELDS:  # written before a column was added: rewritten once with today's columns
+            old = read_rows(path)
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=FIELDS)
+                writer.writeheader()
+                writer.writerows({k: r.get(k) or "" for k in FIELDS} for r in old)
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
@@ -520,10 +569,10 @@ def run(args) -> int:
         if not todo:
             print(f"done already: {label}", flush=True)
             continue
-        first = row_estimate_s(args, *todo[0][:2])
+        first = row_estimate_s(args, *todo[0][:2]) + (WARMUP_BURST_ESTIMATE_S if args.warmup_burst else 0.0)
         if budget.left() < args.start_estimate_s + first:
             print(f"budget: {budget.left():.0f} s left, not starting {label} (start ~{args.start_estimate_s:.0f} s "
-                  f"+ first row ~{first:.0f} s); re-run to resume", flush=True)
+                  f"+ warm-up burst and first row ~{first:.0f} s); re-run to resume", flush=True)
             return INCOMPLETE
         port = free_port()
         cmd, env = server_command(args, backend, kv, spec, port)
@@ -534,6 +583,15 @@ def run(args) -> int:
             with Server(cmd, env, logs / f"server_{tag}.log", port) as server:
                 start_s = server.wait_healthy(min(args.server_timeout, max(1.0, budget.left())))
                 print(f"  healthy after {start_s:.0f} s", flush=True)
+                if args.warmup_burst:
+                    t0 = time.monotonic()
+                    name = f"{tag}_warmup_burst.json"
+                    rc = run_client(warmup_burst_command(args, port, todo[0][0], logs, name), OFFLINE_ENV,
+                                    logs / f"client_{tag}_warmup_burst.log", budget.left())
+                    if rc != 0:
+                        raise RuntimeError(f"the warm-up burst's client exited with {rc}:\n"
+                                           f"{tail(logs / f'client_{tag}_warmup_burst.log', 600)}")
+                    print(f"  warm-up burst: {args.warmup_burst} prompts in {time.monotonic() - t0:.0f} s", flush=True)
                 for shape, rate, key in todo:
                     current = key
                     estimate = row_estimate_s(args, shape, rate)
@@ -556,15 +614,21 @@ def run(args) -> int:
                         row = {**key, **meta, "error": f"vllm bench serve exit {rc}: "
                                + tail(logs / f"client_{name[:-5]}.log", 300).replace("\n", " | ")}
                     else:
+                        end = time.time()
                         row = {**row_from_result(json.loads((results / name).read_text()), key), **meta}
+                        jit = jit_compiles(server.log_path.read_text(errors="replace"),
+                                           end - float(row["duration_s"] or 0) - WINDOW_SLACK_S, end)
+                        row["jit_in_window"] = " ".join(jit)
                         if args.step_trace:
-                            record_window(args.out_dir, row, end=time.time())
+                            record_window(args.out_dir, row, end=end)
                     append_row(rows_path, row)
                     failures += bool(row.get("error"))
                     current = None  # recorded
                     print(f"  row {shape[0]}x{shape[1]} rate {rate}: {time.monotonic() - t0:.0f} s, "
                           + (f"ERROR {row['error'][:200]}" if row.get("error") else
-                             f"{row['output_throughput']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms"), flush=True)
+                             f"{row['output_throughput']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms")
+                          + (f"; JIT compile in its window: {row['jit_in_window']}" if row.get("jit_in_window")
+                             else ""), flush=True)
                     if server.proc.poll() is not None:
                         raise RuntimeError(f"vllm serve exited with {server.proc.returncode}:\n"
                                            f"{tail(server.log_path)}")
@@ -668,6 +732,12 @@ def render_markdown(rows: list[dict], errors: list[dict]) -> str:
                              f"{float(r['output_throughput']) / float(thr['output_throughput']):.3f} | "
                              f"{_f(r['tpot_p50_ms'], 2)} | {tpot['backend']} {_f(tpot['tpot_p50_ms'], 2)} | "
                              f"{float(tpot['tpot_p50_ms']) / float(r['tpot_p50_ms']):.3f} |")
+        jit = [r for r in group if r.get("jit_in_window")]
+        if jit:
+            named = "; ".join(f"{_label(r)} rate {r['request_rate']}: {r['jit_in_window']}" for r in jit)
+            lines += ["", "vLLM JIT-compiled its own kernels inside these rows' measured windows (first-use stalls "
+                      "of up to ~0.5 s that every request in flight waits out; the log's stamps have whole seconds: "
+                      f"one within a second of a window's edge counts): {named}."]
         lines.append("")
     if errors:
         lines += ["## Errors (rows not measured; a re-run tries them again)", ""]
@@ -833,6 +903,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-warmups", type=int, default=8,
                    help="requests (the row's first prompt, sent at once) each client sends before its timed ones: "
                         "first-use costs (JIT compiles of shapes the start did not see) stay out of the rows")
+    p.add_argument("--warmup-burst", type=int, default=32,
+                   help="prompts sent at once (short outputs, not recorded) when a server is up, before its first "
+                        "row: vLLM's first-use JIT compiles (chunked prefill with context, mixed query lengths) "
+                        "land before the measured rows; 0: none")
     p.add_argument("--layers", type=int, default=16, help="model layers (DeepSeek-V3 has 61)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="the server's --max-num-seqs")
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="the server's --max-num-batched-tokens")
@@ -876,8 +950,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         for name in ("num_prompts", "layers", "max_num_seqs", "max_batched_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-        if args.num_warmups < 0:
-            raise ValueError(f"--num-warmups {args.num_warmups}: must be >= 0")
+        for name in ("num_warmups", "warmup_burst"):
+            if getattr(args, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     except ValueError as e:
@@ -912,6 +987,10 @@ def main(argv=None) -> int:
             for rate in rates:
                 print("client: " + " ".join(client_command(args, 8000, shape, rate, args.out_dir / "results",
                                                            "ROW.json")))
+        if args.warmup_burst:
+            first = next(iter(args.shapes))
+            print("warm-up burst: " + " ".join(warmup_burst_command(args, 8000, first, args.out_dir / "logs",
+                                                                    "BURST.json")))
         rows = len(configs) * sum(len(rates) for rates in args.shapes.values())
         print(f"model: {args.model_dir} ({args.layers} layers); servers: {len(configs)}; rows: {rows}")
         return 0

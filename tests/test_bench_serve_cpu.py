@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,34 @@ def test_commands(tmp_path):
     assert client[client.index("--base-url") + 1] == "http://127.0.0.1:9001"
     assert client[client.index("--random-input-len") + 1] == "8192" and "--ignore-eos" in client
     assert client[client.index("--num-warmups") + 1] == "8"
+    # the warm-up burst before a server's first row: its prompts at once, short outputs, another seed
+    burst = bench.warmup_burst_command(args, 9001, (8192, 512), tmp_path, "b.json")
+    flag = {k: burst[burst.index(k) + 1] for k in ("--num-prompts", "--request-rate", "--num-warmups", "--seed",
+                                                   "--random-input-len", "--random-output-len")}
+    assert flag == {"--num-prompts": "32", "--request-rate": "inf", "--num-warmups": "0",
+                    "--seed": str(args.seed + 1), "--random-input-len": "8192",
+                    "--random-output-len": str(bench.WARMUP_BURST_OUTPUT)}
+    assert bench.parse_args(["--out-dir", str(tmp_path), "--warmup-burst", "0"]).warmup_burst == 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out-dir", str(tmp_path), "--warmup-burst", "-1"])
+
+
+def test_jit_compiles_inside_a_rows_window():
+    """The server log's JIT-monitor warnings whose stamps fall inside a row's window (one second of slack each
+    side: the stamps have whole seconds, local time, no year); other lines and other times are not named."""
+    bench = _bench()
+    log = ("(EngineCore pid=1) INFO 11-29 03:27:59 [jit_monitor.py:79] Kernel JIT monitor activated\n"
+           "(EngineCore pid=1) WARNING 11-29 03:28:25 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: rejection_greedy_sample_kernel. This causes a latency spike\n"
+           "(EngineCore pid=1) WARNING 11-29 03:28:30 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: mask_empty_context_kernel. This causes a latency spike\n")
+    def t(hh, mm, ss):
+        return time.mktime((2026, 11, 29, hh, mm, int(ss), 0, 0, -1)) + ss % 1
+    assert bench.jit_compiles(log, t(3, 28, 26.5), t(3, 28, 35)) == ["mask_empty_context_kernel"]
+    assert bench.jit_compiles(log, t(3, 28, 20), t(3, 28, 35)) == ["rejection_greedy_sample_kernel",
+                                                                  "mask_empty_context_kernel"]
+    assert bench.jit_compiles(log, t(3, 28, 31.5), t(3, 29, 0)) == []
+    assert bench.jit_compiles("", t(3, 28, 0), t(3, 29, 0)) == []
 
 
 @needs_vllm
@@ -225,6 +254,19 @@ def test_rows_append_resume_and_skip(tmp_path):
     assert len(bench.pending_rows(args, ("FLASHMLA", "auto", 0), bench.done_keys(bench.read_rows(path)))) == 2
     with pytest.raises(ValueError, match="bogus"):
         bench.append_row(path, {"bogus": 1})
+    # a rows.csv written before a column was added is rewritten once with today's columns, its rows kept
+    old_fields = [f for f in bench.FIELDS if f != "jit_in_window"]
+    older = tmp_path / "older.csv"
+    with open(older, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_fields)
+        writer.writeheader()
+        writer.writerow({**{k: "" for k in old_fields}, **{k: str(v) for k, v in todo[0][2].items()},
+                         "tpot_p50_ms": "3.5"})
+    bench.append_row(older, {**todo[0][2], "request_rate": "8", "tpot_p50_ms": 4.5, "jit_in_window": "k"})
+    again = bench.read_rows(older)
+    assert older.read_text().splitlines()[0] == ",".join(bench.FIELDS)
+    assert [(r["request_rate"], r["tpot_p50_ms"], r["jit_in_window"]) for r in again] == [("inf", "3.5", ""),
+                                                                                          ("8", "4.5", "k")]
 
 
 def test_row_from_vllm_bench_result():
@@ -266,6 +308,7 @@ def test_report_from_a_synthetic_csv(tmp_path):
     path = tmp_path / "rows.csv"
     rows = _synthetic_rows(bench)
     stale = {**rows[0], "output_throughput": 1.0}  # measured again later: the later row counts
+    rows[1]["jit_in_window"] = "mask_empty_context_kernel"  # named under its group's table
     for row in [stale] + rows:
         bench.append_row(path, row)
     bench.append_row(path, {**_key(bench, backend="FLASHMLA", request_rate="64"), "error": "vllm serve exited with 1"})
@@ -279,6 +322,7 @@ def test_report_from_a_synthetic_csv(tmp_path):
     assert "| CUTE_MLA | 4 | 1000.0 | FLASH_ATTN_MLA 952.4 | 1.050 | 20.00 | FLASH_ATTN_MLA 21.00 | 1.050 |" in md
     assert "| CUTE_MLA | 4 | 1000.0 | FLASHMLA 909.1 | 1.100 | 20.00 | FLASHMLA 22.00 | 1.100 |" in md
     assert "FLASHMLA kv=auto n-gram=0 2048x256 rate 64: `vllm serve exited with 1`" in md
+    assert md.count("JIT-compiled its own kernels") == 1 and "CUTE_MLA rate 16: mask_empty_context_kernel." in md
     with open(tmp_path / "results.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert len(table) == len(rows) and all(r["output_throughput"] != "1.0" for r in table)
@@ -310,8 +354,9 @@ def test_run_with_vllm_bench_serve_against_a_stub_server(tmp_path, monkeypatch, 
     monkeypatch.setattr(bench.Server, "GRACE_S", 2.0)
     out = tmp_path / "out"
     argv = ["--backends", "CUTE_MLA", "--kv-cache-dtypes", "auto", "--spec", "0", "--shapes", "32x4",
-            "--rates", "20,inf", "--num-prompts", "3", "--layers", "2", "--out-dir", str(out)]
+            "--rates", "20,inf", "--num-prompts", "3", "--layers", "2", "--warmup-burst", "2", "--out-dir", str(out)]
     assert bench.main(argv) == 0
+    assert "warm-up burst: 2 prompts" in capsys.readouterr().out  # before the first row, not recorded
     rows = bench.read_rows(out / "rows.csv")
     assert [(r["request_rate"], r["completed"], r["error"]) for r in rows] == [("20", "3", ""), ("inf", "3", "")]
     assert all(float(r["output_throughput"]) > 0 and float(r["tpot_p50_ms"]) > 0 for r in rows)

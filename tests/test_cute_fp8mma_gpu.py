@@ -78,7 +78,7 @@ def test_fp8_designs_short_and_ragged_lengths(design):
 
 
 @pytest.mark.parametrize("heads,lens_around,bs", [(128, 3000, 64), (16, 1500, 32)])
-def test_auto_runs_design_c_from_batch_32_eager_and_in_graphs(heads, lens_around, bs, monkeypatch):
+def test_auto_runs_design_c_from_its_min_batch_eager_and_in_graphs(heads, lens_around, bs, monkeypatch):
     """The serving default: ``auto`` with an fp8 q runs design C from launch.FP8_SEESAW_MIN_BATCH. Ragged lengths
     (one not a multiple of the page), NaN/inf in every unread slot, the kv scale as a device tensor, outputs
     poisoned; then the same call in a CUDA graph replayed with new lengths and tables."""
