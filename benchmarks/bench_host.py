@@ -333,14 +333,35 @@ def vllm_decode_inputs(batch: int, seq_len: int, kv_dtype: str, num_heads: int =
     return (ql_nope, qkv[..., 128:]), cache, block_table, seq_lens, torch.tensor(1.0), torch.tensor(1.0)
 
 
+def mixed_q_step(batch: int, seq_len: int, kv: str, rng, num_heads: int = 128, block_size: int = 64):
+    """--mixed-q: one eager step of n-gram 1 serving as vLLM 0.26's builder sees it: ``batch`` requests of q_len 1
+    or 2 (with and without a draft, both present), the step's query tokens (q as ``vllm_decode_inputs`` makes it,
+    one row per token), block table, seq_lens and query start offsets."""
+    q_lens = [rng.choice((1, 2)) for _ in range(batch)]
+    if batch > 1 and len(set(q_lens)) == 1:
+        q_lens[0] = 3 - q_lens[0]
+    tokens = sum(q_lens)
+    q, cache, _, _, q_scale, kv_scale = vllm_decode_inputs(tokens, seq_len, kv, num_heads, block_size)
+    blocks = -(-seq_len // block_size)
+    block_table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks) % 8
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return q_lens, tokens, starts, q, cache, block_table, seq_lens, q_scale, kv_scale
+
+
 def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, layers: int,
-             profile: cProfile.Profile | None, new_batch_each_step: bool = False) -> list[float]:
+             profile: cProfile.Profile | None, new_batch_each_step: bool = False,
+             recast_us: list[float] | None = None) -> list[float]:
     """--cpu-dry, one cell: us per call of each timed step (``layers`` calls sharing a new StepPlans); then, with
     ``profile``, ``iters`` more steps under it. ``new_batch_each_step``: each step decodes a batch size no earlier
     step had (batch, batch + 1, ...: as in the mixed steps of chunked prefill, where requests join the decode
-    batch as their prefill ends), so each step's first call decides, checks and plans anew."""
+    batch as their prefill ends), so each step's first call decides, checks and plans anew. ``recast_us`` (a list
+    to fill: --mixed-q): each step a new batch of mixed q_lens (``mixed_q_step``), recast as token requests once
+    per step as the builder does (its us appended there) and decoded through them."""
     from mla_backend_plugin.ops.workspace import StepPlans
 
+    if recast_us is not None:
+        return _dry_mixed_q_cell(batch, seq_len, kv, iters, layers, profile, recast_us)
     tuned.set_seq_profile([seq_len])
     steps = iters * (2 if profile is not None else 1) + 5
     sizes = [batch + i for i in range(steps)] if new_batch_each_step else [batch]
@@ -372,6 +393,45 @@ def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, laye
     return times
 
 
+def _dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int, profile: cProfile.Profile | None,
+                      recast_us: list[float]) -> list[float]:
+    import random
+
+    from mla_backend_plugin.ops.workspace import StepPlans
+
+    tuned.set_seq_profile([seq_len])
+    workspace = serving.make_workspace("cpu", max_num_seqs=batch, num_speculative_tokens=1, num_heads=128,
+                                       out_dtype=torch.bfloat16, token_requests=True)
+    runner = serving.DecodeRunner(0.1, "fp8" if kv == "fp8" else "auto")
+    rng = random.Random(batch * 7919 + seq_len)
+    per_token = serving.token_request_q_len(128)
+
+    def one_step(timed: bool):
+        q_lens, tokens, starts, q, cache, block_table, seq_lens, q_scale, kv_scale = mixed_q_step(batch, seq_len, kv,
+                                                                                                   rng)
+        t0 = time.perf_counter()
+        recast = serving.token_requests(starts, q_lens, seq_lens, block_table, tokens, q_len=per_token,
+                                        max_seq_len=seq_len, block_size=64)
+        t1 = time.perf_counter()
+        step = StepPlans()
+        for _ in range(layers):
+            runner.decode(q, cache, block_table, seq_lens, workspace, q_scale=q_scale, kv_scale=kv_scale,
+                          max_seq_len=seq_len, token_requests=recast, step=step)
+        if timed:
+            recast_us.append((t1 - t0) * 1e6)
+            return (time.perf_counter() - t1) * 1e6 / layers
+        return None
+
+    for _ in range(5):  # first decisions and plans: not timed
+        one_step(False)
+    times = [one_step(True) for _ in range(iters)]
+    for _ in range(iters if profile is not None else 0):
+        profile.enable()
+        one_step(False)
+        profile.disable()
+    return times
+
+
 def cpu_dry(args) -> int:
     """Per call us of the serving path (``--layers`` calls per step, one StepPlans each), cProfile of it."""
     install_cpu_stubs()
@@ -379,23 +439,32 @@ def cpu_dry(args) -> int:
              f"{args.iters} steps of {args.layers} calls each; compiled kernels, the stream handle and the combine "
              "launch stubbed (bench_host.py --cpu-dry"
              + (" --new-batch-each-step: every step a batch size no step had before, B = the column's and up"
-                if args.new_batch_each_step else "") + ").", ""]
+                if args.new_batch_each_step else "")
+             + (" --mixed-q: every step B requests of q_len 1 or 2 (n-gram 1 with and without drafts), recast as "
+                "token requests once per step (`recast`, us per step) and decoded through them"
+                if args.mixed_q else "") + ").", ""]
     profiles = []
     batches = list(map(int, args.batches.split(",")))
     for kv in args.kv_dtypes.split(","):
         for s in map(int, args.seq_lens.split(",")):
             lines += [f"## kv {kv}, S = {s}", "", "| runner | " + " | ".join(f"B={b}" for b in batches) + " |",
                       "|---|" + "---:|" * len(batches)]
-            texts = []
+            texts, recast_texts = [], []
             for b in batches:
                 prof = cProfile.Profile() if args.profile_top else None
+                recast = [] if args.mixed_q else None
                 med, lo, hi = summary(dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof,
-                                               args.new_batch_each_step))
+                                               args.new_batch_each_step, recast))
                 texts.append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
+                if recast:
+                    recast_texts.append("{:.1f} [{:.1f}, {:.1f}]".format(*summary(recast)))
                 if prof is not None:
                     profiles.append((f"B={b} S={s} kv={kv}",
                                      profile_text(prof, args.profile_top, args.iters * args.layers)))
-            lines += [f"| {SERVING} | " + " | ".join(texts) + " |", ""]
+            lines += [f"| {SERVING} | " + " | ".join(texts) + " |"]
+            if recast_texts:
+                lines += ["| recast (us per step) | " + " | ".join(recast_texts) + " |"]
+            lines += [""]
     write_results(Path(args.out_dir), lines, profiles)
     return 0
 
@@ -427,7 +496,13 @@ def main(argv=None) -> int:
                    help="calls per step, timed back to back after one drain of the GPU (one StepPlans each)")
     p.add_argument("--new-batch-each-step", action="store_true",
                    help="--cpu-dry: every step decodes a batch size no earlier step had (as mixed steps do)")
+    p.add_argument("--mixed-q", action="store_true",
+                   help="--cpu-dry: every step a batch of q_len 1 and 2 (n-gram 1's eager steps), as token requests")
     args = p.parse_args(argv)
+    if (args.mixed_q or args.new_batch_each_step) and not args.cpu_dry:
+        p.error("--mixed-q and --new-batch-each-step are --cpu-dry options")
+    if args.mixed_q and args.new_batch_each_step:
+        p.error("--mixed-q draws a new batch every step already: drop --new-batch-each-step")
     if args.cpu_dry:
         return cpu_dry(args)
     out_dir = Path(args.out_dir)

@@ -47,6 +47,16 @@ def test_bench_host_cpu_dry_times_and_profiles_the_serving_path(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--new-batch-each-step" in (tmp_path / "new" / "host_results.md").read_text()
     assert "(plan_for)" in (tmp_path / "new" / "host_profiles.txt").read_text()  # the profiled steps planned anew
+    # n-gram 1's eager steps: q_lens 1 and 2 recast as token requests once per step, then decoded through them
+    proc = _run("benchmarks/bench_host.py", "--cpu-dry", "--mixed-q", "--batches", "4", "--seq-lens", "1024",
+                "--iters", "3", "--layers", "2", "--profile-top", "40", "--out-dir", str(tmp_path / "mixed"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (tmp_path / "mixed" / "host_results.md").read_text()
+    assert table.count("| recast (us per step) |") == 2 and "--mixed-q" in table
+    profiles = (tmp_path / "mixed" / "host_profiles.txt").read_text()
+    assert "(token_requests)" in profiles and "(mla_decode)" in profiles  # the recast, and the calls taking it
+    proc = _run("benchmarks/bench_host.py", "--mixed-q", "--out-dir", str(tmp_path / "bad"))
+    assert proc.returncode == 2 and "--cpu-dry options" in proc.stderr
 
 
 def test_compare_runs_ratios(tmp_path):
