@@ -588,6 +588,9 @@ def run(args) -> int:
                     name = f"{tag}_warmup_burst.json"
                     rc = run_client(warmup_burst_command(args, port, todo[0][0], logs, name), OFFLINE_ENV,
                                     logs / f"client_{tag}_warmup_burst.log", budget.left())
+                    if rc is None:
+                        print("budget: stopped the warm-up burst at the budget; re-run to resume", flush=True)
+                        return INCOMPLETE
                     if rc != 0:
                         raise RuntimeError(f"the warm-up burst's client exited with {rc}:\n"
                                            f"{tail(logs / f'client_{tag}_warmup_burst.log', 600)}")

@@ -374,6 +374,17 @@ def test_run_with_vllm_bench_serve_against_a_stub_server(tmp_path, monkeypatch, 
     assert len(bench.read_rows(out / "rows.csv")) == 2
     assert bench.main(argv[:-1] + [str(tmp_path / "fresh"), "--budget-s", "30"]) == bench.INCOMPLETE
     assert "not starting CUTE_MLA kv=auto n-gram=0" in capsys.readouterr().out
+    # a warm-up burst the budget stops: the call ends as cut by the budget (rows not started, server stopped)
+    monkeypatch.undo()
+    monkeypatch.setattr(bench, "server_command", stub_command)
+    monkeypatch.setattr(bench, "unsupported", lambda *a: None)
+    monkeypatch.setattr(bench.Server, "GRACE_S", 2.0)
+    real_client = bench.run_client
+    monkeypatch.setattr(bench, "run_client", lambda cmd, env, log, timeout: None if "warmup_burst" in log.name
+                        else real_client(cmd, env, log, timeout))
+    assert bench.main(argv[:-1] + [str(tmp_path / "cut")]) == bench.INCOMPLETE
+    assert "stopped the warm-up burst at the budget" in capsys.readouterr().out
+    assert not bench.read_rows(tmp_path / "cut" / "rows.csv")
 
 
 if __name__ == "__main__":
