@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import json
 import math
 import os
 import re
@@ -158,21 +159,35 @@ def our_mma_dtype(kernel: str, config: LaunchConfig | None, args, cc) -> str:
 
 
 class OurKernel:
-    """One of our kernels (its default config, or one ``config`` of its ``configs()``: ``kernel:config``)."""
+    """One of our kernels (its default config, or one ``config`` of its ``configs()``: ``kernel:config``; or, with
+    ``overrides`` (--launch-config), its default config of each cell with those fields replaced)."""
 
     kind = report.OURS
 
     def __init__(self, kernel: str, fp8_query: str, shadowed_in_bf16_cells: bool, config: LaunchConfig | None = None,
-                 plan_per_call: bool = False):
+                 plan_per_call: bool = False, overrides: dict | None = None):
         self.kernel = kernel
         self.config = config
+        self.overrides = overrides or None
+        if self.overrides and config is not None:
+            raise ValueError("OurKernel: a config of configs() or overrides of the default config, not both")
         self.plan_per_call = plan_per_call  # --plan-per-call
         self.fp8_query = fp8_query  # the q dtype this variant takes in fp8-KV cells
         # an fp8-q variant next to the bf16-q one runs the same thing in bf16-KV cells: run it once
         self.shadowed_in_bf16_cells = shadowed_in_bf16_cells
         base = kernel if config is None else KERNELS[kernel].label(config)
+        if self.overrides:
+            base += "[" + ",".join(f"{k}={v}" for k, v in sorted(self.overrides.items())) + "]"
         self.name = base if fp8_query == "bf16" else f"{base}/fp8q"
         self.description = KERNELS[kernel].description
+
+    def config_for(self, cell: Cell, cc) -> LaunchConfig | None:
+        """The config this runner launches ``cell`` with (None: the kernel's default, chosen per call)."""
+        if not self.overrides:
+            return self.config
+        args = meta_args(cell, self.query_dtype(cell, cc))
+        default = KERNELS[self.kernel].default_config(args, tuple(cc) if cc else None)
+        return dataclasses.replace(default, **self.overrides)
 
     def available(self) -> tuple[bool, str]:
         return (True, "registered") if torch.cuda.is_available() else (False, "no CUDA device here")
@@ -181,7 +196,7 @@ class OurKernel:
         return self.fp8_query if cell.kv_dtype == "fp8" else "bf16"
 
     def mma_dtype(self, cell: Cell, cc) -> str:
-        return our_mma_dtype(self.kernel, self.config, meta_args(cell, self.query_dtype(cell, cc)), cc)
+        return our_mma_dtype(self.kernel, self.config_for(cell, cc), meta_args(cell, self.query_dtype(cell, cc)), cc)
 
     def unsupported_reason(self, cell: Cell, cc) -> str | None:
         """The registry's own verdict, on meta tensors of the cell's shapes (no device memory)."""
@@ -213,10 +228,13 @@ class OurKernel:
         # peers' scheduler metadata is made once in prepare (--plan-per-call: every call plans for itself)
         step = None if self.plan_per_call else StepPlans()
 
+        config = self.config_for(cell, torch.cuda.get_device_capability(inputs.device)) if self.overrides \
+            else self.config
+
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,
                               softmax_scale=inputs.softmax_scale, q_scale=q_scale, kv_scale=kv_scale,
-                              out=out, lse=lse, workspace=workspace, kernel=self.kernel, config=self.config,
+                              out=out, lse=lse, workspace=workspace, kernel=self.kernel, config=config,
                               step=step)
 
         return PeerCall(launch, lambda raw: raw)
@@ -423,6 +441,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "(default: %(default)s)")
     sel.add_argument("--retune", action="store_true",
                      help="--candidates: tune every cell again instead of reading the tuning cache")
+    sel.add_argument("--launch-config", type=_launch_config, default=None, metavar="JSON",
+                     help="LaunchConfig fields as JSON, e.g. '{\"min_chunk\": 64}': each of our kernels also runs "
+                          "with its default config of each cell with these fields replaced (a row of its own)")
     sel.add_argument("--peers", type=_name_list, default=DEFAULT_PEERS,
                      help=f"peers, comma-separated, 'all' or 'none' (default: {','.join(DEFAULT_PEERS)}; "
                           f"known: {','.join(PEERS)})")
@@ -508,7 +529,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     for d in args.ours_fp8_q or ():
         if d not in ("fp8", "bf16"):
             parser.error(f"--ours-fp8-q: {d!r} is not fp8 or bf16")
+    if args.launch_config and args.candidates:
+        parser.error("--launch-config runs our kernels' default configs with fields replaced; --candidates runs "
+                     "every config the kernels list: use one")
     return args
+
+
+def _launch_config(text: str) -> dict:
+    """--launch-config: a JSON object of LaunchConfig fields, each checked by LaunchConfig itself."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if not isinstance(fields, dict) or not fields or set(fields) - known:
+        raise argparse.ArgumentTypeError(f"a JSON object of LaunchConfig fields; allowed: {', '.join(sorted(known))}")
+    if "tile" in fields and fields["tile"] is not None:
+        fields["tile"] = tuple(fields["tile"])
+    try:
+        LaunchConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return fields
 
 
 def build_cells(args) -> list[Cell]:
@@ -551,6 +593,9 @@ def build_runners(args, cc=None, cells: list[Cell] | None = None) -> list:
         ours = [OurKernel(k, q, shadowed_in_bf16_cells=(q == "fp8" and "bf16" in q_dtypes),
                           plan_per_call=args.plan_per_call)
                 for k in kernels for q in dict.fromkeys(q_dtypes)]
+        if args.launch_config:  # beside each default runner: the same with the fields replaced
+            ours += [OurKernel(o.kernel, o.fp8_query, o.shadowed_in_bf16_cells, plan_per_call=args.plan_per_call,
+                               overrides=args.launch_config) for o in list(ours)]
     return ours + [PEERS[name] for name in args.peers]
 
 

@@ -3,9 +3,12 @@ the CLI's dry run (grid, kernels, which peers import and why not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,6 +183,22 @@ def test_mma_dtype_of_every_runner_in_fp8_and_bf16_cells():
     assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, sm90) == "fp16"
     assert bench.OurKernel("xqa_sm120", "bf16", False).mma_dtype(fp8_big, (12, 0)) == "fp8"
     assert bench.TunedAuto((), 0.1, False).mma_dtype(fp8_big, sm90) == bench.report.MMA_UNKNOWN
+    # --launch-config: each cell's default config with fields replaced, a runner of its own beside the default
+    args = bench.parse_args(["--kernels", "cute_sm90", "--peers", "none", "--launch-config", '{"min_chunk": 64}'])
+    runners = bench.build_runners(args, sm90, [fp8_big])
+    assert [r.name for r in runners] == ["cute_sm90/fp8q", "cute_sm90[min_chunk=64]/fp8q"]
+    chunk64 = runners[1]
+    assert chunk64.config_for(fp8_big, sm90) == dataclasses.replace(
+        bench.KERNELS["cute_sm90"].default_config(bench.meta_args(fp8_big, "fp8"), sm90), min_chunk=64)
+    assert chunk64.config_for(fp8_big, sm90).fp8_design == "fp8seesaw" and chunk64.mma_dtype(fp8_big, sm90) == "fp8"
+    assert runners[0].config_for(fp8_big, sm90) is None  # the default: chosen per call
+    design_a = bench.OurKernel("cute_sm90", "bf16", False, overrides={"fp8_design": "dequant"})
+    assert design_a.mma_dtype(fp8_big, sm90) == "bf16"
+    for bad in ('{"min_chunks": 64}', "[1]", "{}", '{"split_plan": "nope"}', "nope"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--launch-config", bad])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--launch-config", '{"min_chunk": 64}', "--candidates"])
     peers = bench.PEERS
     assert peers["flashmla"].mma_dtype(fp8_big, sm90) == "fp8" and peers["flashmla"].mma_dtype(bf16, sm90) == "bf16"
     assert peers["flashinfer_mla"].mma_dtype(fp8_big, sm90) == "bf16"
