@@ -228,8 +228,7 @@ class OurKernel:
         # peers' scheduler metadata is made once in prepare (--plan-per-call: every call plans for itself)
         step = None if self.plan_per_call else StepPlans()
 
-        config = self.config_for(cell, torch.cuda.get_device_capability(inputs.device)) if self.overrides \
-            else self.config
+        config = self.config_for(cell, torch.cuda.get_device_capability(inputs.device))
 
         def launch(i):
             return mla_decode(q, inputs.kv_caches[i], inputs.block_table, inputs.seq_lens,

@@ -350,18 +350,13 @@ def mixed_q_step(batch: int, seq_len: int, kv: str, rng, num_heads: int = 128, b
 
 
 def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, layers: int,
-             profile: cProfile.Profile | None, new_batch_each_step: bool = False,
-             recast_us: list[float] | None = None) -> list[float]:
+             profile: cProfile.Profile | None, new_batch_each_step: bool = False) -> list[float]:
     """--cpu-dry, one cell: us per call of each timed step (``layers`` calls sharing a new StepPlans); then, with
     ``profile``, ``iters`` more steps under it. ``new_batch_each_step``: each step decodes a batch size no earlier
     step had (batch, batch + 1, ...: as in the mixed steps of chunked prefill, where requests join the decode
-    batch as their prefill ends), so each step's first call decides, checks and plans anew. ``recast_us`` (a list
-    to fill: --mixed-q): each step a new batch of mixed q_lens (``mixed_q_step``), recast as token requests once
-    per step as the builder does (its us appended there) and decoded through them."""
+    batch as their prefill ends), so each step's first call decides, checks and plans anew."""
     from mla_backend_plugin.ops.workspace import StepPlans
 
-    if recast_us is not None:
-        return _dry_mixed_q_cell(batch, seq_len, kv, iters, layers, profile, recast_us)
     tuned.set_seq_profile([seq_len])
     steps = iters * (2 if profile is not None else 1) + 5
     sizes = [batch + i for i in range(steps)] if new_batch_each_step else [batch]
@@ -393,8 +388,11 @@ def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, laye
     return times
 
 
-def _dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int, profile: cProfile.Profile | None,
-                      recast_us: list[float]) -> list[float]:
+def dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int, profile: cProfile.Profile | None,
+                     recast_us: list[float]) -> list[float]:
+    """--cpu-dry --mixed-q, one cell: as ``dry_cell``, but each step a new batch of mixed q_lens (``mixed_q_step``),
+    recast as token requests once per step as the builder does (its us appended to ``recast_us``) and decoded
+    through them."""
     import random
 
     from mla_backend_plugin.ops.workspace import StepPlans
@@ -452,9 +450,10 @@ def cpu_dry(args) -> int:
             texts, recast_texts = [], []
             for b in batches:
                 prof = cProfile.Profile() if args.profile_top else None
-                recast = [] if args.mixed_q else None
-                med, lo, hi = summary(dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof,
-                                               args.new_batch_each_step, recast))
+                recast: list[float] = []
+                times = (dry_mixed_q_cell(b, s, kv, args.iters, args.layers, prof, recast) if args.mixed_q else
+                         dry_cell(b, s, kv, max(batches), args.iters, args.layers, prof, args.new_batch_each_step))
+                med, lo, hi = summary(times)
                 texts.append(f"{med:.1f} [{lo:.1f}, {hi:.1f}]")
                 if recast:
                     recast_texts.append("{:.1f} [{:.1f}, {:.1f}]".format(*summary(recast)))

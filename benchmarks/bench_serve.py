@@ -619,8 +619,8 @@ def run(args) -> int:
                     else:
                         end = time.time()
                         row = {**row_from_result(json.loads((results / name).read_text()), key), **meta}
-                        jit = jit_compiles(server.log_path.read_text(errors="replace"),
-                                           end - float(row["duration_s"] or 0) - WINDOW_SLACK_S, end)
+                        jit = jit_compiles(server.log_path.read_text(errors="replace"), row_window_start(row, end),
+                                           end)
                         row["jit_in_window"] = " ".join(jit)
                         if args.step_trace:
                             record_window(args.out_dir, row, end=end)
@@ -813,14 +813,18 @@ def render(out_dir: Path) -> list[Path]:
 
 # ---------------------------------------------------------------- --step-trace: where each row's GPU time went
 
+def row_window_start(row: dict, end: float) -> float:
+    """Where the measured part of a row began in wall seconds: the client's benchmark (its ``duration_s``, after
+    the warm-up requests) ended at ``end``, when the client exited."""
+    return end - float(row["duration_s"]) - WINDOW_SLACK_S
+
+
 def record_window(out_dir: Path, row: dict, end: float) -> None:
-    """The measured part of a row in wall seconds: the client's benchmark (its ``duration_s``, after the warm-up
-    requests) ending when the client exited."""
+    """The measured part of a row (``row_window_start`` .. ``end``) beside the server's step trace."""
     path = steps_dir(out_dir, row["backend"], row["kv_cache_dtype"], int(row["spec_tokens"]), int(row["layers"]))
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "windows.jsonl", "a") as f:
-        f.write(json.dumps({"key": list(row_key(row)), "start": end - float(row["duration_s"]) - WINDOW_SLACK_S,
-                            "end": end}) + "\n")
+        f.write(json.dumps({"key": list(row_key(row)), "start": row_window_start(row, end), "end": end}) + "\n")
 
 
 WINDOW_SLACK_S = 0.2  # the client's clock starts just after the first request is sent
