@@ -73,10 +73,15 @@ def test_fp8_design_by_batch_unless_named(monkeypatch):
         fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=batch)
         assert variant_for(fp8_q).fp8_mma and variant_for(fp8_q).fp8_seesaw == (design == "fp8seesaw")
         assert launch.default_config(fp8_q, (9, 0)).fp8_design == design
+        # design B with an fp8 q splits down to one 64-key tile; the others keep the workspace's chunk
+        assert launch.default_config(fp8_q, (9, 0)).min_chunk == (64 if design == "fp8mma" else None)
     small_fp8_q = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=2.0, batch=1)
     # the tuner times every design the q allows
     assert {c.fp8_design for c in launch.configs(fp8_q, (9, 0))} == {"fp8seesaw", "fp8mma", "dequant"}
     assert {c.fp8_design for c in launch.configs(large, (9, 0))} == {"fp8mma", "dequant"}
+    assert {(c.fp8_design, c.min_chunk) for c in launch.configs(fp8_q, (9, 0))} == {
+        ("fp8seesaw", None), ("fp8mma", 64), ("dequant", None)}
+    assert launch.default_config(large, (9, 0)).min_chunk is None  # a 16-bit q's design B
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "fp8mma")
     assert variant_for(small).fp8_mma
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "dequant")

@@ -102,12 +102,27 @@ def fp8_design_for(args) -> str:
     return design
 
 
+# fp8 caches, design B ("fp8mma") with an fp8 q: the smallest split, in tokens (one 64-key tile; the workspace's
+# default is 128). Measured (nvidia-h200, 2026-11-29, benchmarks/results/fp8_small_batch_h200/min_chunk/): 0.865-
+# 0.951x the time where the chunk binds (B 1-4, S 1k-2k; B=1 S=1k 14.05 -> 12.70 us against FlashMLA's 12.68),
+# neutral elsewhere, and a lower max error: each split's largest P is exact in e4m3, so more splits of a short
+# context round less of P (B=1 S=1k was above FlashMLA's error, which splits by 64, in every seed at 128). With a
+# 16-bit cache 64-token chunks were 4-23% slower; designs A and C keep the workspace's.
+FP8_Q_DESIGN_B_MIN_CHUNK = 64
+
+
+def design_min_chunk(args, design: str | None) -> int | None:
+    """The smallest split (tokens) a default config of this fp8 design runs with; None = the workspace's."""
+    return FP8_Q_DESIGN_B_MIN_CHUNK if design == "fp8mma" and args.q_dtype == FP8_DTYPE else None
+
+
 def default_config(args, cc) -> LaunchConfig:
-    """What runs when nobody chose: the environment's split plan, PDL, fp8 design (fp8 caches), schedule (16-bit
-    caches) and fused combine (envs.py)."""
+    """What runs when nobody chose: the environment's split plan, PDL, fp8 design (fp8 caches) and the design's
+    smallest split, schedule (16-bit caches) and fused combine (envs.py)."""
     fp8 = args.kv_dtype == FP8_DTYPE
-    return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL,
-                        fp8_design=fp8_design_for(args) if fp8 else None,
+    design = fp8_design_for(args) if fp8 else None
+    return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL, fp8_design=design,
+                        min_chunk=design_min_chunk(args, design),
                         schedule=None if fp8 else envs.CUTE_MLA_SM90_SCHEDULE,
                         fused_combine=envs.CUTE_MLA_FUSED_COMBINE,
                         last_cta_combine=envs.CUTE_MLA_LAST_CTA_COMBINE)
@@ -125,7 +140,7 @@ def configs(args, cc) -> list[LaunchConfig]:
     out = [first]
     if first.fp8_design is not None:
         fp8_q = args.q_dtype == FP8_DTYPE
-        out += [dataclasses.replace(first, fp8_design=d) for d in FP8_DESIGNS
+        out += [dataclasses.replace(first, fp8_design=d, min_chunk=design_min_chunk(args, d)) for d in FP8_DESIGNS
                 if d != first.fp8_design and (fp8_q or d != "fp8seesaw")]
     if first.schedule is not None:
         out += [dataclasses.replace(first, schedule=s) for s in SCHEDULES if s != first.schedule]
