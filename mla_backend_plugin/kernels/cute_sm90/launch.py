@@ -103,11 +103,12 @@ def fp8_design_for(args) -> str:
 
 
 # fp8 caches, design B ("fp8mma") with an fp8 q: the smallest split, in tokens (one 64-key tile; the workspace's
-# default is 128). Measured (nvidia-h200, 2026-11-29, benchmarks/results/fp8_small_batch_h200/min_chunk/): 0.865-
-# 0.951x the time where the chunk binds (B 1-4, S 1k-2k; B=1 S=1k 14.05 -> 12.70 us against FlashMLA's 12.68),
-# neutral elsewhere, and a lower max error: each split's largest P is exact in e4m3, so more splits of a short
-# context round less of P (B=1 S=1k was above FlashMLA's error, which splits by 64, in every seed at 128). With a
-# 16-bit cache 64-token chunks were 4-23% slower; designs A and C keep the workspace's.
+# default is 128). Measured (nvidia-h200, 2026-11-29, both in one run beside FlashMLA fp8, B 1-8 x S 1k-8k x q_len
+# 1-2; benchmarks/results/fp8_small_batch_h200/min_chunk/): 0.88-0.99x the time where the chunk binds (B x S below
+# ~4k tokens; B=1 S=1k 14.09 -> 12.75 us against FlashMLA's 12.56), the same work items elsewhere, and a lower max
+# error (above FlashMLA's in 7 of 32 cells against 12): each split's largest P is exact in e4m3, so more splits of a
+# short context round less of P. With a 16-bit cache 64-token chunks were 4-23% slower; designs A and C keep the
+# workspace's.
 FP8_Q_DESIGN_B_MIN_CHUNK = 64
 
 
