@@ -349,6 +349,22 @@ def mixed_q_step(batch: int, seq_len: int, kv: str, rng, num_heads: int = 128, b
     return q_lens, tokens, starts, q, cache, block_table, seq_lens, q_scale, kv_scale
 
 
+DRY_WARMUP_STEPS = 5  # the first steps of a dry cell decide and plan: not timed
+
+
+def timed_steps(one_step, iters: int, profile: cProfile.Profile | None) -> list[float]:
+    """``one_step()`` (it returns its us per call) DRY_WARMUP_STEPS times untimed, then ``iters`` times timed;
+    then, with ``profile``, ``iters`` more times under it."""
+    for _ in range(DRY_WARMUP_STEPS):
+        one_step()
+    times = [one_step() for _ in range(iters)]
+    for _ in range(iters if profile is not None else 0):
+        profile.enable()
+        one_step()
+        profile.disable()
+    return times
+
+
 def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, layers: int,
              profile: cProfile.Profile | None, new_batch_each_step: bool = False) -> list[float]:
     """--cpu-dry, one cell: us per call of each timed step (``layers`` calls sharing a new StepPlans); then, with
@@ -358,7 +374,7 @@ def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, laye
     from mla_backend_plugin.ops.workspace import StepPlans
 
     tuned.set_seq_profile([seq_len])
-    steps = iters * (2 if profile is not None else 1) + 5
+    steps = iters * (2 if profile is not None else 1) + DRY_WARMUP_STEPS
     sizes = [batch + i for i in range(steps)] if new_batch_each_step else [batch]
     full = vllm_decode_inputs(max(sizes), seq_len, kv)  # each size a view of the first rows (as vLLM slices)
     inputs = {b: (tuple(t[:b] for t in full[0]) if isinstance(full[0], tuple) else full[0][:b], full[1],
@@ -368,24 +384,16 @@ def dry_cell(batch: int, seq_len: int, kv: str, max_batch: int, iters: int, laye
     runner = serving.DecodeRunner(0.1, "fp8" if kv == "fp8" else "auto")
     count = iter(range(steps))
 
-    def one_step():
+    def one_step() -> float:
+        t = time.perf_counter()
         q, cache, block_table, seq_lens, q_scale, kv_scale = inputs[sizes[next(count) % len(sizes)]]
         step = StepPlans()  # a step's metadata: its first call plans, the other layers reuse the plan
         for _ in range(layers):
             runner.decode(q, cache, block_table, seq_lens, workspace, q_scale=q_scale, kv_scale=kv_scale,
                           max_seq_len=seq_len, step=step)
+        return (time.perf_counter() - t) * 1e6 / layers
 
-    times = []
-    for i in range(iters + 5):  # the first steps decide and plan: not timed
-        t = time.perf_counter()
-        one_step()
-        if i >= 5:
-            times.append((time.perf_counter() - t) * 1e6 / layers)
-    for _ in range(iters if profile is not None else 0):
-        profile.enable()
-        one_step()
-        profile.disable()
-    return times
+    return timed_steps(one_step, iters, profile)
 
 
 def dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int, profile: cProfile.Profile | None,
@@ -404,7 +412,9 @@ def dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int,
     rng = random.Random(batch * 7919 + seq_len)
     per_token = serving.token_request_q_len(128)
 
-    def one_step(timed: bool):
+    step_recast_us = []
+
+    def one_step() -> float:
         q_lens, tokens, starts, q, cache, block_table, seq_lens, q_scale, kv_scale = mixed_q_step(batch, seq_len, kv,
                                                                                                    rng)
         t0 = time.perf_counter()
@@ -415,18 +425,11 @@ def dry_mixed_q_cell(batch: int, seq_len: int, kv: str, iters: int, layers: int,
         for _ in range(layers):
             runner.decode(q, cache, block_table, seq_lens, workspace, q_scale=q_scale, kv_scale=kv_scale,
                           max_seq_len=seq_len, token_requests=recast, step=step)
-        if timed:
-            recast_us.append((t1 - t0) * 1e6)
-            return (time.perf_counter() - t1) * 1e6 / layers
-        return None
+        step_recast_us.append((t1 - t0) * 1e6)
+        return (time.perf_counter() - t1) * 1e6 / layers
 
-    for _ in range(5):  # first decisions and plans: not timed
-        one_step(False)
-    times = [one_step(True) for _ in range(iters)]
-    for _ in range(iters if profile is not None else 0):
-        profile.enable()
-        one_step(False)
-        profile.disable()
+    times = timed_steps(one_step, iters, profile)
+    recast_us += step_recast_us[DRY_WARMUP_STEPS:DRY_WARMUP_STEPS + iters]  # the timed steps' own
     return times
 
 
