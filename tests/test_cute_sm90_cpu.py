@@ -122,6 +122,44 @@ def test_schedule_is_a_config_field_the_environment_defaults(monkeypatch):
         LaunchConfig(schedule="pingpong")
 
 
+def test_l2_prefetch_is_a_seesaw_config_field(monkeypatch):
+    """LaunchConfig.l2_prefetch reaches the 16-bit seesaw's variant (its own binary and name), the family's
+    default where the config names none; the other schedules and fp8 caches have no prefetch (0); bad values are
+    refused by name."""
+    monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
+    fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
+    default = variant_for(_args())
+    assert default.l2_prefetch == launch.SEESAW_L2_PREFETCH
+    for n in (0, 1, 2):
+        v = variant_for(_args(), l2_prefetch=n)
+        assert v.l2_prefetch == n and (f" l2pf{n}" in v.name) == (n > 0)
+    assert variant_for(_args(), l2_prefetch=1) != variant_for(_args(), l2_prefetch=2)
+    assert variant_for(_args(), schedule="lockstep", l2_prefetch=2).l2_prefetch == 0
+    assert variant_for(fp8, l2_prefetch=2).l2_prefetch == 0
+    with pytest.raises(ValueError, match="l2_prefetch must be in 0..2, got 3"):
+        LaunchConfig(l2_prefetch=3)
+    with pytest.raises(ValueError, match="l2_prefetch=1 is the 16-bit seesaw kernel's"):
+        config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False, schedule="lockstep", l2_prefetch=1)
+    assert "l2-prefetch 1" in LaunchConfig(l2_prefetch=1).label()
+    assert LaunchConfig.from_dict(LaunchConfig(l2_prefetch=2).as_dict()).l2_prefetch == 2
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_l2_prefetch_compiles_to_bulk_prefetches_without_spills(tmp_path, block_size):
+    """The seesaw producer's L2 prefetch is UBLKPF (one per page slice of each tile of a pair, in the 24-register
+    producer; 16-token pages: 4 slices per tile); the SASS check refuses an l2_prefetch variant without it."""
+    from mla_backend_plugin.kernels.cute_sm90.build import inspect_cubin, sass_problems
+
+    v = config.Variant("bf16", "bf16", "bf16", 128, 1, block_size, False, False, l2_prefetch=1)
+    compiled = launch.compile_variant(v, use_pdl=True, arch="sm_90a", keep_dir=str(tmp_path))
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled.__cubin__)
+    info = inspect_cubin(str(path))
+    assert info["ublkpf"] > 0 and not sass_problems(v, info), (info, sass_problems(v, info))
+    assert "no UBLKPF" in sass_problems(v, dict(info, ublkpf=0))[0]
+
+
 def test_launch_configs(monkeypatch):
     """The default follows the environment; the candidates a tuner sees cover both fp8 designs (fp8 caches), every
     schedule (16-bit caches) and PDL, all with the default's split plan and combine."""
@@ -219,7 +257,8 @@ def test_rejects_other_archs_at_build_time():
 
 # ---- one real sm_90a compile, exported into a cache directory as `compile --export-dir` does ----
 
-CACHED = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False)  # what _args(block_size=16) calls
+# what _args(block_size=16) calls (the default config's L2 prefetch included)
+CACHED = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False, l2_prefetch=launch.SEESAW_L2_PREFETCH)
 dsl_only = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 
 

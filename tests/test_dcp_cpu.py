@@ -225,6 +225,6 @@ def test_cute_sm90_variant_and_prebuilt_list():
 
     args = _call(torch.ones(2, 2, dtype=torch.int32))
     v = launch.variant_for(args, launch.default_config(args, (9, 0)))
-    assert v.row_kv_lens and v.name.endswith("row_kv_lens")
+    assert v.row_kv_lens and " row_kv_lens" in v.name
     assert not launch.variant_for(_call(None), launch.default_config(args, (9, 0))).row_kv_lens
     assert any(v.row_kv_lens and v.kv_dtype == "fp8" and v.fp8_mma for v in build.serving_variants())

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mla_backend_plugin.kernels.reference import mla_decode_reference
-from mla_backend_plugin.ops import KERNELS, MLAWorkspace, mla_decode
+from mla_backend_plugin.ops import KERNELS, LaunchConfig, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE, KV_LORA_RANK
 from mla_backend_plugin.ops.plan import SPLIT_CAPACITY
 from mla_backend_plugin.testing import (
@@ -178,6 +178,30 @@ def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
         ws = MLAWorkspace("cuda", max_batch=5, max_q_len=2, num_heads=128, num_sms=num_sms)
         out, lse = _run(inp, ws)
         assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=f"{schedule} num_sms={num_sms}")
+
+
+@pytest.mark.parametrize("l2_prefetch", [1, 2])
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_cute_sm90_seesaw_l2_prefetch(kernel, l2_prefetch, bs):
+    """The seesaw with its producer prefetching tile pairs into L2 (LaunchConfig.l2_prefetch) against the
+    reference and bit for bit against the same launch without it: splits of 1 to many pairs (prefetches past a
+    split's end are skipped), lengths ending inside a page, NaN in every unread slot and in the outputs."""
+    if kernel != "cute_sm90":
+        pytest.skip("cute_sm90 only")
+    lens = [1, 64 + 5, 3 * 64, 5 * 64 - 1, 2000, 9000]
+    inp = make_decode_inputs(6, lens, 1, 128, bs, torch.bfloat16, "pair", "cuda", 23)
+    ref_out, ref_lse = inp.reference()
+    for num_sms in (1, 132):
+        ws = MLAWorkspace("cuda", max_batch=6, max_q_len=1, num_heads=128, num_sms=num_sms)
+        outs = []
+        for n in (0, l2_prefetch):
+            out, lse = inp.poisoned_outputs()
+            mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
+                       kernel=KERNEL, config=LaunchConfig(schedule="seesaw", l2_prefetch=n))
+            torch.cuda.synchronize()
+            assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=f"l2_prefetch={n} num_sms={num_sms}")
+            outs.append((out, lse))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def _replay_with_new_lengths(inp, ws, fresh, counters, kv_dtype, seed, after_capture=None):

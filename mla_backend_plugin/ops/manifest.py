@@ -48,6 +48,7 @@ from typing import Any
 
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant", "fp8seesaw")
+MAX_L2_PREFETCH = 2  # LaunchConfig.l2_prefetch: tile pairs ahead
 SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
 LAST_CTA_COMBINE = ("eager", "always", "never")  # cute_sm90: when a request's last CTA merges (LaunchConfig)
 COMBINES = ("shared", "own", "none")
@@ -78,6 +79,9 @@ class LaunchConfig:
     # cute_sm90, a larger split grid (with fused_combine): each request's last CTA merges its partials, in
     # "eager" calls (outside CUDA-graph capture), "always" or "never" (the combine kernel)
     last_cta_combine: str = "eager"
+    # cute_sm90 with a 16-bit cache, seesaw schedule: the producer prefetches the KV of the tile pair this many
+    # pairs ahead of its TMA loads into L2 (0 = off); None = the family's default
+    l2_prefetch: int | None = None
 
     def __post_init__(self):
         if self.split_plan not in SPLIT_PLANS:
@@ -89,6 +93,8 @@ class LaunchConfig:
         if self.last_cta_combine not in LAST_CTA_COMBINE:
             raise ValueError(f"LaunchConfig: last_cta_combine {self.last_cta_combine!r}; allowed: "
                              f"{', '.join(LAST_CTA_COMBINE)}")
+        if self.l2_prefetch is not None and not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
+            raise ValueError(f"LaunchConfig: l2_prefetch must be in 0..{MAX_L2_PREFETCH}, got {self.l2_prefetch}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:
@@ -129,6 +135,8 @@ class LaunchConfig:
             parts.append(self.fp8_design)
         if self.schedule:
             parts.append(self.schedule)
+        if self.l2_prefetch is not None:
+            parts.append(f"l2-prefetch {self.l2_prefetch}")
         if not self.fused_combine:
             parts.append("no-fused-combine")
         elif self.last_cta_combine != "eager":

@@ -8,6 +8,7 @@ warp-group uniform). Every variant is built with PDL on and off, and exported (t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import subprocess
@@ -18,7 +19,7 @@ from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import PlanVariant, Variant, shared_bytes
-from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
+from mla_backend_plugin.kernels.cute_sm90.launch import AOT, SEESAW_L2_PREFETCH, STEP_PLAN
 from mla_backend_plugin.ops.manifest import VariantResult
 
 
@@ -54,7 +55,9 @@ def serving_variants() -> list[Variant]:
     rows = (("bf16", "bf16", False), ("fp8", "bf16", True), ("fp8", "bf16", False), ("fp8", "fp8", True))
     out += [Variant(kv, q_dtype, "bf16", h, q, 64, q_dtype == "fp8", kv == "fp8", fp8_mma=mma, row_kv_lens=True)
             for (kv, q_dtype, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
-    return out
+    # the 16-bit seesaw with the L2 prefetch distance a default config runs (launch.l2_prefetch_for)
+    return [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH) if v.kv_dtype != "fp8" and v.schedule == "seesaw"
+            else v for v in out]
 
 
 def builds() -> list[Variant | PlanVariant]:
@@ -85,7 +88,8 @@ def inspect_cubin(path: str) -> dict:
     num = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else None  # noqa: E731
     return dict(registers=num("REG"), stack=num("STACK"), local=num("LOCAL"), shared_static=num("SHARED"),
                 hgmma=len(re.findall(r"\bHGMMA\.", sass)), qgmma=len(re.findall(r"\bQGMMA\.", sass)),
-                utmaldg=len(re.findall(r"\bUTMALDG", sass)), ldsm_t=len(re.findall(r"\bLDSM\.16\.MT88", sass)),
+                utmaldg=len(re.findall(r"\bUTMALDG", sass)), ublkpf=len(re.findall(r"\bUBLKPF", sass)),
+                ldsm_t=len(re.findall(r"\bLDSM\.16\.MT88", sass)),
                 wgmma_waits=len(re.findall(r"\bWARPGROUP\.DEPBAR", sass)),
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 
@@ -130,6 +134,8 @@ def sass_problems(variant: Variant | PlanVariant, info: dict) -> list[str]:
     if 4 * info["wgmma_waits"] > info["hgmma"] + info["qgmma"]:
         problems.append(f"wgmma serialised: {info['wgmma_waits']} WARPGROUP.DEPBAR for "
                         f"{info['hgmma'] + info['qgmma']} wgmma")
+    if variant.l2_prefetch and info["ublkpf"] == 0:  # the seesaw producer's L2 prefetch of pairs ahead
+        problems.append("no UBLKPF (cp.async.bulk.prefetch.L2) in the SASS of an l2_prefetch variant")
     if (variant.kv_dtype != "fp8" or variant.fp8_mma) and info["utmaldg"] == 0:
         problems.append("no UTMALDG (TMA load) in the SASS")
     if spills or info["spill_ops"]:

@@ -59,6 +59,8 @@ class Variant(CuteVariant):
     # both groups on every tile) or "seesaw32" (kernel_seesaw32.py); fp8 caches: always "lockstep" (the fp8
     # kernels have one schedule each)
     schedule: str = "seesaw"
+    # 16-bit caches, seesaw schedule: KV tile pairs prefetched into L2 ahead of the TMA ring (0 = off)
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -68,6 +70,9 @@ class Variant(CuteVariant):
                              f"{self.q_dtype!r}, kv_dtype={self.kv_dtype!r} (allowed: fp8 for both)")
         if self.kv_dtype == "fp8" and self.schedule != "lockstep":
             object.__setattr__(self, "schedule", "lockstep")
+        if self.l2_prefetch and self.schedule != "seesaw":
+            raise ValueError(f"l2_prefetch={self.l2_prefetch} is the 16-bit seesaw kernel's; schedule "
+                             f"{self.schedule!r}, kv_dtype {self.kv_dtype!r} (allowed: 0 there)")
 
     @property
     def compute_dtype(self) -> str:
@@ -79,7 +84,8 @@ class Variant(CuteVariant):
                   if self.kv_dtype == "fp8" else "")
         rows = " row_kv_lens" if self.row_kv_lens else ""
         schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
-        return f"{design}{rows}{schedule}"
+        l2 = f" l2pf{self.l2_prefetch}" if self.l2_prefetch else ""
+        return f"{design}{rows}{schedule}{l2}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 
 from mla_backend_plugin.kernels.cute_common.barriers import consumer_barrier
 from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
@@ -63,6 +65,16 @@ K_CHUNKS = D_QK // 64  # 64-column (128-byte) chunks of one cache row
 Q_NOPE_PIECES = BLOCK_M * (D_NOPE // 8) // 256
 Q_ROPE_PIECES = BLOCK_M * (D_ROPE // 8) // 256
 assert Q_NOPE_PIECES * 256 == BLOCK_M * (D_NOPE // 8) and Q_ROPE_PIECES * 256 == BLOCK_M * (D_ROPE // 8)
+
+
+@dsl_user_op
+def prefetch_l2(addr, nbytes: int, *, loc=None, ip=None):
+    """``cp.async.bulk.prefetch.L2.global``: ``nbytes`` (a multiple of 16) from global address ``addr`` (16-byte
+    aligned) into L2, with no shared memory, barrier or register written."""
+    llvm.inline_asm(
+        None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
+        f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cute.jit
@@ -281,6 +293,18 @@ class Sm90MlaDecode:
         if tok < kv_end:
             page = mBT[b, tok // self.v.block_size]
         return page
+
+    @cute.jit
+    def prefetch_tile_l2(self, mKV, mBT, b, tile_start, kv_end, num_blocks):
+        """Prefetch the 64-key tile at ``tile_start`` into L2, page slice by page slice (each slice is contiguous:
+        its rows x 576 values); slices past the split's end are skipped. Its TMA load later reads L2, not HBM."""
+        rb = self.box_rows
+        for p in cutlass.range(BLOCK_N // rb, unroll=1):
+            tok = tile_start + p * rb
+            if tok < kv_end:
+                page = self.page_of(mBT, b, tok, kv_end, num_blocks)
+                prefetch_l2(mKV[(page, tok % self.v.block_size, None)].iterator.toint(),
+                            rb * D_QK * self.cdtype.width // 8)
 
     @cute.jit
     def tma_tile(self, tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, stage, bar,

@@ -211,12 +211,24 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         tKs, tKg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_boxes, 0, 2),
                                          cute.group_modes(g_boxes, 0, 2))
         num_blocks = mKV.shape[0]
+        ahead = self.v.l2_prefetch
         for i in cutlass.range(n_pairs, unroll=1):
             # the order of the halves is what keeps the consumers' waits acyclic (module docstring)
             for n in cutlass.range_constexpr(4):
                 tile_in_pair, h = LOAD_ORDER[n]
                 self.load_half(tma_atom, tKg, tKs, full[tile_in_pair][h], empty[tile_in_pair][h], mBT,
                                num_blocks, b, kv_start, kv_end, 2 * i + tile_in_pair, i, tile_in_pair, h)
+            if cutlass.const_expr(ahead > 0):
+                # pair i + ahead into L2 once pair i is issued (the pairs between at the first pair): HBM works
+                # on the pairs the two-stage ring has no room for, and their TMA loads later read L2
+                first = i + ahead
+                if i == 0:
+                    first = 1
+                for pair in cutlass.range(first, i + ahead + 1, unroll=1):
+                    if pair < n_pairs:
+                        for t in cutlass.range_constexpr(2):
+                            self.prefetch_tile_l2(mKV, mBT, b, kv_start + (2 * pair + t) * BLOCK_N, kv_end,
+                                                  num_blocks)
 
     @cute.jit
     def load_half(self, tma_atom, tKg, tKs, full, empty, mBT, num_blocks, b, kv_start, kv_end, tile, use,

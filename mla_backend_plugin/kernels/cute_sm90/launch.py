@@ -161,7 +161,20 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
                    fp8_seesaw=args.kv_dtype == FP8_DTYPE and design == "fp8seesaw",
-                   row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config))
+                   row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config),
+                   l2_prefetch=l2_prefetch_for(args, config))
+
+
+# 16-bit caches, seesaw schedule: tile pairs the producer prefetches into L2 ahead of its TMA loads when the config
+# does not say (LaunchConfig.l2_prefetch; docs/perf/cute_sm90_bf16.md)
+SEESAW_L2_PREFETCH = 1
+
+
+def l2_prefetch_for(args, config: LaunchConfig) -> int:
+    """The config's L2 prefetch distance where the kernel has one (the 16-bit seesaw), else 0."""
+    if schedule_for(args, config) != "seesaw":
+        return 0
+    return SEESAW_L2_PREFETCH if config.l2_prefetch is None else config.l2_prefetch
 
 
 def schedule_for(args, config: LaunchConfig) -> str:
