@@ -440,9 +440,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "(default: %(default)s)")
     sel.add_argument("--retune", action="store_true",
                      help="--candidates: tune every cell again instead of reading the tuning cache")
-    sel.add_argument("--launch-config", type=_launch_config, default=None, metavar="JSON",
+    sel.add_argument("--launch-config", type=_launch_config, action="append", default=None, metavar="JSON",
                      help="LaunchConfig fields as JSON, e.g. '{\"min_chunk\": 64}': each of our kernels also runs "
-                          "with its default config of each cell with these fields replaced (a row of its own)")
+                          "with its default config of each cell with these fields replaced (a row of its own); "
+                          "repeat it for more such rows")
     sel.add_argument("--peers", type=_name_list, default=DEFAULT_PEERS,
                      help=f"peers, comma-separated, 'all' or 'none' (default: {','.join(DEFAULT_PEERS)}; "
                           f"known: {','.join(PEERS)})")
@@ -594,7 +595,7 @@ def build_runners(args, cc=None, cells: list[Cell] | None = None) -> list:
                 for k in kernels for q in dict.fromkeys(q_dtypes)]
         if args.launch_config:  # beside each default runner: the same with the fields replaced
             ours += [OurKernel(o.kernel, o.fp8_query, o.shadowed_in_bf16_cells, plan_per_call=args.plan_per_call,
-                               overrides=args.launch_config) for o in list(ours)]
+                               overrides=fields) for fields in args.launch_config for o in list(ours)]
     return ours + [PEERS[name] for name in args.peers]
 
 

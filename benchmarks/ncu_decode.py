@@ -114,7 +114,8 @@ def profile(args) -> int:
             return 2
         q_dtype = args.q_dtype or ("fp8" if bench_decode.serving.fp8_query(bench_decode.envs.CUTE_MLA_FP8_QUERY, cc)
                                    else "bf16")
-        runner = OurKernel(args.kernel, q_dtype, shadowed_in_bf16_cells=False)
+        runner = OurKernel(args.kernel, q_dtype, shadowed_in_bf16_cells=False,
+                           overrides=bench_decode._launch_config(args.launch_config) if args.launch_config else None)
     reason = runner.unsupported_reason(cell, cc)
     if reason:
         print(f"{runner.name} cannot run {cell.label()}: {reason}", file=sys.stderr)
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3, help="calls before the profiled one (compile, plan)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--launch-config", metavar="JSON", default=None,
+                        help="our kernel's default config with these LaunchConfig fields replaced (bench_decode.py's "
+                             "--launch-config), e.g. '{\"l2_prefetch\": 1}'")
     args = parser.parse_args(argv)
     if args.summarize:
         try:

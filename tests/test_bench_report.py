@@ -192,6 +192,10 @@ def test_mma_dtype_of_every_runner_in_fp8_and_bf16_cells():
         bench.KERNELS["cute_sm90"].default_config(bench.meta_args(fp8_big, "fp8"), sm90), min_chunk=64)
     assert chunk64.config_for(fp8_big, sm90).fp8_design == "fp8seesaw" and chunk64.mma_dtype(fp8_big, sm90) == "fp8"
     assert runners[0].config_for(fp8_big, sm90) is None  # the default: chosen per call
+    args = bench.parse_args(["--kernels", "cute_sm90", "--peers", "none", "--launch-config", '{"l2_prefetch": 1}',
+                             "--launch-config", '{"l2_prefetch": 2}'])  # repeated: a row per JSON
+    assert [r.name for r in bench.build_runners(args, sm90, [fp8_big])] == [
+        "cute_sm90/fp8q", "cute_sm90[l2_prefetch=1]/fp8q", "cute_sm90[l2_prefetch=2]/fp8q"]
     design_a = bench.OurKernel("cute_sm90", "bf16", False, overrides={"fp8_design": "dequant"})
     assert design_a.mma_dtype(fp8_big, sm90) == "bf16"
     for bad in ('{"min_chunks": 64}', "[1]", "{}", '{"split_plan": "nope"}', "nope"):
