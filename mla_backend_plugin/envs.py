@@ -133,13 +133,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "a 16-bit q: `dequant` up to batch 2, `fp8mma` above). Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("auto", "fp8mma", "dequant", "fp8seesaw")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",
-           "cute_sm90 with a 16-bit KV cache, the schedule of its default config (`LaunchConfig.schedule`; the "
-           "tuner times all three): `seesaw` (the two consumer warp groups work on alternate tiles, one's softmax "
-           "under the other's wgmma), `lockstep` (both on every tile; the v3 kernel) or `seesaw32` (the seesaw's "
-           "order on the two 32-key halves of each tile, so the next tile loads meanwhile: 3-7% faster where a CTA "
-           "runs 8-32 tiles, e.g. batch 8-32 at 4k-8k tokens, q_len 1; slower with fewer or many more tiles per CTA "
-           "and at q_len 2; docs/perf/cute_sm90_bf16.md).",
-           kind="choice", choices=("seesaw", "lockstep", "seesaw32")),
+           "cute_sm90 with a 16-bit KV cache, the schedule of its default config (`LaunchConfig.schedule`): "
+           "`seesaw` (the two consumer warp groups work on alternate tiles, one's softmax under the other's wgmma; "
+           "the producer prefetches the next tile pair into L2) or `lockstep` (both on every tile; the v3 kernel, "
+           "the code fp8 design A runs: 4-33% slower than the seesaw on the H200 grid, docs/perf/cute_sm90_bf16.md).",
+           kind="choice", choices=("seesaw", "lockstep")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
            "chunks, at most 32 of them unless that leaves it the step's critical path, then up to the "

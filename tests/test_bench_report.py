@@ -97,7 +97,8 @@ def test_bench_candidates_dry_run_expands_configs():
                 "--seq-lens", "1024", "--q-lens", "1", "--kv-dtypes", "bf16,fp8", "--assume-sm", "90")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for name in ("auto", "cute_sm90:auto seesaw pdl", "cute_sm90:auto seesaw32 pdl", "cute_sm90:auto dequant pdl",
+    for name in ("auto", "cute_sm90:auto seesaw pdl", "cute_sm90:auto splits<=64 seesaw pdl",
+                 "cute_sm90:auto dequant pdl",
                  "triton:uniform splits<=64 tile 64x64x8x2 no-pdl"):
         assert f"  {name} " in out, out[-4000:]
     assert "not one of cute_sm90's configs for this cell" in out

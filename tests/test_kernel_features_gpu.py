@@ -162,7 +162,7 @@ def test_compute_sanitizer(tool, kernel):
     assert re.search(summary, text), text[-4000:]
 
 
-@pytest.mark.parametrize("schedule", ["seesaw", "lockstep", "seesaw32"])
+@pytest.mark.parametrize("schedule", ["seesaw", "lockstep"])
 @pytest.mark.parametrize("bs", [16, 64])
 def test_cute_sm90_schedules(kernel, monkeypatch, schedule, bs):
     """Every 16-bit schedule of cute_sm90 against the reference: odd and even tile counts per split (the seesaw

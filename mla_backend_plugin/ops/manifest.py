@@ -49,7 +49,7 @@ from typing import Any
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant", "fp8seesaw")
 MAX_L2_PREFETCH = 2  # LaunchConfig.l2_prefetch: tile pairs ahead
-SCHEDULES = ("seesaw", "lockstep", "seesaw32")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
+SCHEDULES = ("seesaw", "lockstep")  # cute_sm90's 16-bit-cache schedules (kernels/cute_sm90/config.py)
 LAST_CTA_COMBINE = ("eager", "always", "never")  # cute_sm90: when a request's last CTA merges (LaunchConfig)
 COMBINES = ("shared", "own", "none")
 
@@ -71,7 +71,7 @@ class LaunchConfig:
     enable_pdl: bool = True  # programmatic dependent launch (SM90+)
     fp8_design: str | None = None  # cute_sm90 with an fp8 cache: "fp8mma" | "dequant" | "fp8seesaw"
     tile: tuple[int, ...] | None = None  # a family's tile, e.g. Triton's (block_m, block_n, warps, stages)
-    # cute_sm90 with a 16-bit cache: "seesaw" | "lockstep" | "seesaw32" (SCHEDULES); None = CUTE_MLA_SM90_SCHEDULE
+    # cute_sm90 with a 16-bit cache: "seesaw" | "lockstep" (SCHEDULES); None = CUTE_MLA_SM90_SCHEDULE
     schedule: str | None = None
     # cute_sm90: merge the split partials inside the split kernel when its grid fits on the device at once (one
     # launch); False = always the combine kernel

@@ -1,9 +1,8 @@
 """CuTe-DSL MLA decode for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV on the balanced plan.
 
 ``kernel_seesaw.py`` (16-bit caches, the default: the two consumer warp groups alternate tiles),
-``kernel.py`` (the lock-step schedule: 16-bit caches with ``LaunchConfig.schedule="lockstep"``, and fp8 caches
-widened to 16 bits: design A), ``kernel_seesaw32.py`` (the seesaw on the 32-key halves of each tile,
-``schedule="seesaw32"``), ``kernel_fp8mma.py`` (fp8 wgmma on fp8 caches: design B), ``kernel_fp8seesaw.py``
+``kernel.py`` (the lock-step schedule: fp8 caches widened to 16 bits, design A, and 16-bit caches with
+``LaunchConfig.schedule="lockstep"``), ``kernel_fp8mma.py (fp8 wgmma on fp8 caches: design B), ``kernel_fp8seesaw.py``
 (design C, ``fp8_design="fp8seesaw"`` only: fp8 wgmma on the seesaw, O^T = V^T P^T; index arithmetic in
 ``fp8seesaw_layout.py``), ``config.py`` (tile,
 budgets, variant key), ``launch.py`` (registry entry points, compile cache, launch), ``build.py`` (ahead-of-time

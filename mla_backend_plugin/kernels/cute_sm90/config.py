@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from mla_backend_plugin.kernels.cute_common.variant import Variant as CuteVariant
-from mla_backend_plugin.ops.manifest import SCHEDULES  # kernel_seesaw.py, kernel.py (lock step), kernel_seesaw32.py
+from mla_backend_plugin.ops.manifest import SCHEDULES  # kernel_seesaw.py, kernel.py (lock step)
 
 # One CTA owns 64 query rows (one wgmma M) of one request and one KV split, and walks the split's keys in
 # tiles of 64 (the wgmma N of Q K^T and the K of P V).
@@ -55,8 +55,8 @@ class Variant(CuteVariant):
     # True: each query row's key count is read from a [B, q_len] tensor (decode context parallelism with MTP,
     # where the q block's own tokens are not all in this rank's cache) instead of seq_len - q_len + t + 1
     row_kv_lens: bool = False
-    # 16-bit caches: "seesaw" (kernel_seesaw.py: the consumer groups alternate tiles), "lockstep" (kernel.py:
-    # both groups on every tile) or "seesaw32" (kernel_seesaw32.py); fp8 caches: always "lockstep" (the fp8
+    # 16-bit caches: "seesaw" (kernel_seesaw.py: the consumer groups alternate tiles) or "lockstep" (kernel.py:
+    # both groups on every tile: design A's code, not a tuner candidate); fp8 caches: always "lockstep" (the fp8
     # kernels have one schedule each)
     schedule: str = "seesaw"
     # 16-bit caches, seesaw schedule: KV tile pairs prefetched into L2 ahead of the TMA ring (0 = off)

@@ -170,9 +170,7 @@ class Sm90MlaDecode:
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
             # per-row partial softmax statistics exchanged between the two consumer groups
-            # (the seesaw32 schedule's running maxima after each group's half, one buffer per tile parity, use
-            # all four rows of 64)
-            row_max_x: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
+            row_max_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             row_sum_x: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             sP: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(p_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[cd, cute.cosize(q_layout)], 1024]
@@ -214,7 +212,7 @@ class Sm90MlaDecode:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(4 * BLOCK_M))
+        sMaxX = storage.row_max_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
 
@@ -424,10 +422,10 @@ class Sm90MlaDecode:
 
     @cute.jit
     def split_key_operands(self, qk_mma, qk_rs_mma, pv_mma, sQ, sKV, sV, sP, ctid):
-        """A consumer thread's operands when the groups split each tile's keys for S (this kernel's layouts,
-        shared with kernel_seesaw32.py): the P V slice, Q's fragments (the last Q_REG_CHUNKS chunks loaded into
-        registers once), K, P and V, the zeroed O accumulator, the S accumulator, this thread's (row, key)
-        coordinates in the tile and its elements of P in shared memory."""
+        """A consumer thread's operands when the groups split each tile's keys for S (this kernel's layouts): the
+        P V slice, Q's fragments (the last Q_REG_CHUNKS chunks loaded into registers once), K, P and V, the zeroed
+        O accumulator, the S accumulator, this thread's (row, key) coordinates in the tile and its elements of P in
+        shared memory."""
         cd = self.cdtype
         qk_thr = qk_mma.get_slice(ctid)
         pv_thr = pv_mma.get_slice(ctid)

@@ -414,8 +414,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
             m_loc[half] = cute.arch.warp_reduction_max(m_loc[half], threads_in_group=4)
         return m_loc
 
-    # The max exchange of the two groups, shared by the seesaw (pair i of tiles) and seesaw32 (the two halves of
-    # tile i): the exchange buffers hold one entry per row for each parity of i. Each writes its results into the
+    # The max exchange of the two groups, shared by the seesaw (pair i of tiles) and fp8 design C: the exchange
+    # buffers hold one entry per row for each parity of i. Each writes its results into the
     # register tensors it is given (in place: what a nested jit call can hand back besides its return value).
 
     @cute.jit

@@ -38,7 +38,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     softmax_scale_log2,
 )
 from mla_backend_plugin.ops.constants import FP8_DTYPE
-from mla_backend_plugin.ops.manifest import FP8_DESIGNS, SCHEDULES, LaunchConfig, PlanTile
+from mla_backend_plugin.ops.manifest import FP8_DESIGNS, LaunchConfig, PlanTile
 from mla_backend_plugin.ops.workspace import capturing, step_needs_plan
 
 ARCH = MANIFEST.archs[0]  # sm_90a
@@ -130,21 +130,20 @@ def default_config(args, cc) -> LaunchConfig:
 
 
 def configs(args, cc) -> list[LaunchConfig]:
-    """The default, then: the other fp8 designs (fp8 caches; design C with an fp8 q only), the other schedules
-    (16-bit caches: seesaw32 is faster where a CTA runs 8-32 tiles, docs/perf/cute_sm90_bf16.md; the lock step was
-    faster at B=8 in an earlier A/B), each also with a larger split cap. PDL stays as the default has it: a lone
-    kernel times the same with it on and off (docs/perf/method.md), and PDL-off variants are not prebuilt. All under
-    the default's split plan (the share plan is not a tuner candidate, docs/perf/split_plan.md) and combine: the
-    combine kernel after a grid that fits at once was slower or equal in every cell measured (docs/perf/combine.md:
-    the fused combine 0.92x time geomean, no cell above 1.010x)."""
+    """The default, then: the other fp8 designs (fp8 caches; design C with an fp8 q only), each also with a larger
+    split cap. 16-bit caches offer the seesaw only: the lock step (and seesaw32, removed) ran slower in all 48
+    cells of the standard grid beside the seesaw with its L2 prefetch (nvidia-h200, 2026-11-29,
+    docs/perf/cute_sm90_bf16.md). PDL stays as the default has it: a lone kernel times the same with it on and off
+    (docs/perf/method.md), and PDL-off variants are not prebuilt. All under the default's split plan (the share plan
+    is not a tuner candidate, docs/perf/split_plan.md) and combine: the combine kernel after a grid that fits at once
+    was slower or equal in every cell measured (docs/perf/combine.md: the fused combine 0.92x time geomean, no cell
+    above 1.010x)."""
     first = default_config(args, cc)
     out = [first]
     if first.fp8_design is not None:
         fp8_q = args.q_dtype == FP8_DTYPE
         out += [dataclasses.replace(first, fp8_design=d, min_chunk=design_min_chunk(args, d)) for d in FP8_DESIGNS
                 if d != first.fp8_design and (fp8_q or d != "fp8seesaw")]
-    if first.schedule is not None:
-        out += [dataclasses.replace(first, schedule=s) for s in SCHEDULES if s != first.schedule]
     out += [dataclasses.replace(c, max_splits=64) for c in list(out)]
     return list(dict.fromkeys(out))
 
@@ -209,8 +208,6 @@ def compile_variant(variant: Variant | PlanVariant, use_pdl: bool = True, arch: 
         from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import Sm90MlaDecodeFp8Mma as kernel_class
     elif variant.schedule == "seesaw":
         from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw as kernel_class
-    elif variant.schedule == "seesaw32":
-        from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw32 import Sm90MlaDecodeSeesaw32 as kernel_class
     else:
         from mla_backend_plugin.kernels.cute_sm90.kernel import Sm90MlaDecode as kernel_class
 
