@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmark_scripts import import_benchmark
+from benchmark_scripts import BENCHMARKS, import_benchmark
 
 model = import_benchmark("fp8_rounding_model")
 
@@ -29,3 +29,18 @@ def test_cli_prints_one_row_per_cell_and_refuses_unknown_schemes(capsys):
     assert len(rows) == 2 and all(len(r.split("|")) == 7 for r in rows)
     with pytest.raises(SystemExit):
         model.main(["--schemes", "ours,nope"])
+
+
+def test_bench_inputs_and_the_kernel_read_back_refuse_clearly(capsys, monkeypatch):
+    """--inputs bench models bench_decode.py's inputs (a bf16 q rounded per tensor, DeepSeek's softmax scale); the
+    GPU read-back names an unknown kernel and refuses to run without a CUDA device."""
+    monkeypatch.syspath_prepend(BENCHMARKS)  # the script imports its siblings (peers) where it needs them
+    assert model.main(["--seq-lens", "96", "--seeds", "1", "--q-lens", "1", "--heads", "8", "--inputs", "bench",
+                       "--schemes", "ours"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 96 ")]
+    assert len(rows) == 1 and 0 < float(rows[0].split("|")[4]) < 0.15
+    with pytest.raises(SystemExit):
+        model.main(["--kernels", "ours,nope"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            model.main(["--kernels", "ours"])
