@@ -1,12 +1,12 @@
 """CuTe-DSL MLA decode for Hopper (sm_90a): TMA + wgmma, warp-specialised, split-KV on the balanced plan.
 
-``kernel_seesaw.py`` (16-bit caches, the default: the two consumer warp groups alternate tiles),
-``kernel.py`` (the lock-step schedule: fp8 caches widened to 16 bits, design A, and 16-bit caches with
-``LaunchConfig.schedule="lockstep"``), ``kernel_fp8mma.py (fp8 wgmma on fp8 caches: design B), ``kernel_fp8seesaw.py``
-(design C, ``fp8_design="fp8seesaw"`` only: fp8 wgmma on the seesaw, O^T = V^T P^T; index arithmetic in
-``fp8seesaw_layout.py``), ``config.py`` (tile,
-budgets, variant key), ``launch.py`` (registry entry points, compile cache, launch), ``build.py`` (ahead-of-time
-build with SASS checks). Shared CuTe pieces: kernels/cute_common.
+``kernel_seesaw.py`` (16-bit caches, the default: the two consumer warp groups alternate tiles, the producer
+prefetches the next tile pair into L2), ``kernel.py`` (the lock-step schedule: fp8 caches widened to 16 bits, design
+A, and 16-bit caches with ``LaunchConfig.schedule="lockstep"``), ``kernel_fp8mma.py`` (fp8 wgmma on fp8 caches:
+design B), ``kernel_fp8seesaw.py`` (design C, ``fp8_design="fp8seesaw"`` only: fp8 wgmma on the seesaw, O^T = V^T
+P^T; index arithmetic in ``fp8seesaw_layout.py``), ``config.py`` (tile, budgets, variant key), ``launch.py``
+(registry entry points, compile cache, launch), ``build.py`` (ahead-of-time build with SASS checks). Shared CuTe
+pieces: kernels/cute_common.
 """
 
 from mla_backend_plugin.ops.manifest import KernelManifest, lazy
