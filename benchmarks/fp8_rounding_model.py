@@ -48,12 +48,12 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.to(FP8_DTYPE).to(torch.float64)
 
 
-def _problem(inp, seq_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(base-2 scores [T, H, S], V [S, 512], the float32 reference output [T, H, 512]) of request 0 of ``inp``
-    in float64, with the q the kernels take (vLLM's per-tensor e4m3 rounding of a 16-bit q) and the cache's
-    dequantised values."""
+def _problem(inp, seq_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(base-2 scores [T, H, S], V [S, 512], the float32 reference's (output [T, H, 512], LSE [T, H])) of request 0
+    of ``inp`` in float64, with the q the kernels take (vLLM's per-tensor e4m3 rounding of a 16-bit q) and the
+    cache's dequantised values."""
     q8, q_scale = inp.query("fp8")
-    ref = inp.reference("fp8")[0][:q_len].to("cpu", torch.float64)
+    ref = tuple(r[:q_len].to("cpu", torch.float64) for r in inp.reference("fp8"))
     block_size = inp.kv_cache.shape[1]
     pages = inp.block_table[0, :(seq_len + block_size - 1) // block_size].tolist()
     kv = torch.cat([inp.kv_cache[p] for p in pages])[:seq_len].to("cpu", torch.float64)
@@ -102,12 +102,16 @@ def max_errors(seq_len: int, q_len: int, seed: int, schemes: dict[str, Scheme], 
     """Max |out - reference| per scheme for one request of ``seq_len`` keys (``q_len`` query rows, causal), the
     output rounded to ``out_dtype``; on ``inputs`` (a DecodeInputs of that request) or ``model_inputs``'."""
     inp = inputs if inputs is not None else model_inputs(seq_len, q_len, seed, heads, block_size)
-    s, v, ref = _problem(inp, seq_len, q_len)
+    s, v, (ref, _) = _problem(inp, seq_len, q_len)
     return {name: (model_output(s, v, sc).to(out_dtype).to(torch.float64) - ref).abs().max().item()
             for name, sc in schemes.items()}
 
 
-# --kernels: a kernel's name -> (the bench runner's factory, the scheme whose arithmetic it is said to follow)
+READ_BACK_KERNELS = ("ours", "ours_chunk128", "ours_dequant", "ours_fp8seesaw", "flashmla")
+
+
+# --kernels: a kernel's name (READ_BACK_KERNELS) -> (the bench runner's factory, the scheme whose arithmetic it
+# follows)
 def _kernel_runners():
     import bench_decode  # benchmarks/ siblings, imported only for a GPU read-back
     import peers
@@ -132,8 +136,7 @@ def read_back(seq_len: int, q_len: int, seed: int, names: list[str], heads: int 
 
     runners = _kernel_runners()
     inp = bench_inputs(seq_len, q_len, seed, heads, device="cuda")
-    s, v, ref = _problem(inp, seq_len, q_len)
-    ref_lse = inp.reference("fp8")[1][:q_len].to("cpu", torch.float64)
+    s, v, (ref, ref_lse) = _problem(inp, seq_len, q_len)
     cell = Cell(1, seq_len, q_len, "fp8", num_heads=heads)
     out = {}
     for name in names:
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
                     help="model: the GPU tests' inputs (fp8 q, unit scales); bench: bench_decode.py's (default: model)")
     ap.add_argument("--kernels", default=None,
                     help="on a GPU, bench inputs: run these kernels and compare each with its scheme, of: "
-                         "ours, ours_chunk128, ours_dequant, ours_fp8seesaw, flashmla")
+                         + ", ".join(READ_BACK_KERNELS))
     args = ap.parse_args(argv)
     names = args.schemes.split(",")
     unknown = [n for n in names if n not in SCHEMES]
@@ -190,9 +193,8 @@ def main(argv=None) -> int:
 
 
 def _main_read_back(cells, kernels: list[str], heads: int, ap) -> int:
-    allowed = ("ours", "ours_chunk128", "ours_dequant", "ours_fp8seesaw", "flashmla")
-    if unknown := [k for k in kernels if k not in allowed]:
-        ap.error(f"--kernels: {', '.join(unknown)} unknown; allowed: {', '.join(allowed)}")
+    if unknown := [k for k in kernels if k not in READ_BACK_KERNELS]:
+        ap.error(f"--kernels: {', '.join(unknown)} unknown; allowed: {', '.join(READ_BACK_KERNELS)}")
     if not torch.cuda.is_available():
         ap.error("--kernels needs a CUDA device")
     print("| S | q_len | seed | kernel | max err | rms err | scheme | scheme's max err | scheme's rms | "

@@ -127,7 +127,7 @@ def test_l2_prefetch_is_a_seesaw_config_field(monkeypatch):
     monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
     fp8 = _args(kv_dtype=FP8_DTYPE, kv_scale=2.0)
     default = variant_for(_args())
-    assert default.l2_prefetch == launch.SEESAW_L2_PREFETCH
+    assert default.l2_prefetch == config.SEESAW_L2_PREFETCH
     for n in (0, 1, 2):
         v = variant_for(_args(), l2_prefetch=n)
         assert v.l2_prefetch == n and (f" l2pf{n}" in v.name) == (n > 0)
@@ -258,7 +258,7 @@ def test_rejects_other_archs_at_build_time():
 # ---- one real sm_90a compile, exported into a cache directory as `compile --export-dir` does ----
 
 # what _args(block_size=16) calls (the default config's L2 prefetch included)
-CACHED = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False, l2_prefetch=launch.SEESAW_L2_PREFETCH)
+CACHED = config.Variant("bf16", "bf16", "bf16", 128, 2, 16, False, False, l2_prefetch=config.SEESAW_L2_PREFETCH)
 dsl_only = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 
 

@@ -18,8 +18,8 @@ import time
 from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
-from mla_backend_plugin.kernels.cute_sm90.config import PlanVariant, Variant, shared_bytes
-from mla_backend_plugin.kernels.cute_sm90.launch import AOT, SEESAW_L2_PREFETCH, STEP_PLAN
+from mla_backend_plugin.kernels.cute_sm90.config import SEESAW_L2_PREFETCH, PlanVariant, Variant, shared_bytes
+from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
 from mla_backend_plugin.ops.manifest import VariantResult
 
 

@@ -33,6 +33,9 @@ REGS_PRODUCER_FP8 = 56
 REGS_CONSUMER_C = 240
 REGS_PRODUCER_C = 24
 STAGES_C = 5
+# 16-bit caches, seesaw schedule: tile pairs the producer prefetches into L2 ahead of its TMA loads when the launch
+# config does not say (LaunchConfig.l2_prefetch; measured: docs/perf/cute_sm90_bf16.md)
+SEESAW_L2_PREFETCH = 1
 # The epilogue stages the 64 x 512 output tile in shared memory (Q's buffer and the KV ring after it, free by
 # then) and writes whole rows with 16-byte stores. Row pitch 512 + 8 elements keeps rows 16-byte aligned and
 # spreads the accumulator layout's 8 rows per warp over all 32 banks.

@@ -32,6 +32,7 @@ from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    SEESAW_L2_PREFETCH,
     PlanVariant,
     Variant,
     m_blocks,
@@ -162,11 +163,6 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    fp8_seesaw=args.kv_dtype == FP8_DTYPE and design == "fp8seesaw",
                    row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config),
                    l2_prefetch=l2_prefetch_for(args, config))
-
-
-# 16-bit caches, seesaw schedule: tile pairs the producer prefetches into L2 ahead of its TMA loads when the config
-# does not say (LaunchConfig.l2_prefetch; docs/perf/cute_sm90_bf16.md)
-SEESAW_L2_PREFETCH = 1
 
 
 def l2_prefetch_for(args, config: LaunchConfig) -> int:
