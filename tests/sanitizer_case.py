@@ -40,7 +40,7 @@ def main(kernel: str) -> None:
                             msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
     if kernel == "cute_sm90":
         # a grid too large to be resident at once (24 requests x 128 heads: 178 CTAs on 132 SMs): each request's
-        # last CTA merges its partials (LAST_CTA)
+        # last CTA merges its partials (LAST_CTA), and the seesaw runs its KV multicast (2-CTA clusters)
         os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
         lens = [1500, 700, 64 * 5 + 3, 1, 0, 900, 1200, 2000] * 3
         inp = make_decode_inputs(24, lens, 1, 128, 64, torch.bfloat16, "pair", "cuda", 9)

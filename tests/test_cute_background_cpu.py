@@ -70,7 +70,7 @@ def test_the_step_plan_kernel_builds_in_the_background_with_the_split_kernel(mon
     args = prepare_args(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                         softmax_scale=inputs.softmax_scale)
     cfg = LaunchConfig(enable_pdl=True)
-    monkeypatch.setattr(launch, "variant_for", lambda a, c: VARIANT)
+    monkeypatch.setattr(launch, "variant_for", lambda a, c, kv_multicast=False: VARIANT)
     monkeypatch.setattr(background, "start", lambda cache, variant, pdl, arch, _start=background.start:
                         variant == launch.STEP_PLAN and _start(cache, variant, pdl, arch))  # the plan kernel only
     assert launch.prebuild(args, cfg, (9, 0))

@@ -142,6 +142,75 @@ def test_l2_prefetch_is_a_seesaw_config_field(monkeypatch):
     assert LaunchConfig.from_dict(LaunchConfig(l2_prefetch=2).as_dict()).l2_prefetch == 2
 
 
+def test_kv_multicast_is_a_per_call_choice_of_the_seesaw(monkeypatch):
+    """LaunchConfig.kv_multicast reaches a call's variant (its own binary and name) only where the kernel can pair
+    m-blocks (the 16-bit seesaw, an even m-block count) and the split grid's CTAs do not merge together (a grid of
+    clusters is not promised to be resident at once); the family's default where the config names none; a
+    serving twin for every seesaw variant that can; bad values refused by name."""
+    from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
+
+    monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
+    args = _args(q_len=1, batch=32, block_size=64)
+    for fused in (False, True):
+        for mc in (None, False, True):
+            cfg = LaunchConfig(kv_multicast=mc)
+            want = not fused and (config.SEESAW_KV_MULTICAST if mc is None else mc)
+            assert launch.kv_multicast_for(args, cfg, fused) == want
+    # the default's measured range: 64-token pages from batch 32; a config that asks gets it anywhere it fits
+    for batch, block_size in ((31, 64), (32, 16), (32, 128)):
+        other = _args(q_len=1, batch=batch, block_size=block_size)
+        assert not launch.kv_multicast_for(other, LaunchConfig(), False)
+        assert launch.kv_multicast_for(other, LaunchConfig(kv_multicast=True), False)
+    cfg = LaunchConfig(kv_multicast=True)
+    v = launch.variant_for(args, cfg, launch.kv_multicast_for(args, cfg, False))
+    assert v.kv_multicast and v.name.endswith(" mc2") and v != launch.variant_for(args, cfg)
+    # m-blocks that pair: 128 heads at any q_len, 64 at q_len 2 and 4, 32 at q_len 3-4; not 64 or fewer at q_len 1,
+    # the lock step or an fp8 cache
+    for heads, q_len, fits in ((128, 1, True), (128, 3, True), (64, 2, True), (32, 4, True), (64, 1, False),
+                               (16, 4, False), (32, 3, True), (64, 3, False)):
+        assert launch.kv_multicast_for(_args(heads=heads, q_len=q_len), cfg, False) == fits, (heads, q_len)
+    assert not launch.kv_multicast_for(args, LaunchConfig(kv_multicast=True, schedule="lockstep"), False)
+    # no DSL to compile with: the multicast twin only where it is prebuilt, else the plain kernel
+    for reason, want in (("not prebuilt", False), (None, True)):
+        with monkeypatch.context() as m:
+            m.setattr(launch, "dsl_missing", lambda: "Python package 'cutlass' is not installed")
+            m.setattr(type(launch.AOT), "prebuilt_reason", lambda self, *a, r=reason: r)
+            assert launch.kv_multicast_for(args, cfg, False) == want
+    assert not launch.kv_multicast_for(_args(kv_dtype=FP8_DTYPE, kv_scale=2.0, q_len=1), cfg, False)
+    with pytest.raises(ValueError, match="kv_multicast is the 16-bit seesaw kernel's with an m-block count divisible"):
+        config.Variant("bf16", "bf16", "bf16", 64, 1, 64, False, False, kv_multicast=True)
+    with pytest.raises(ValueError, match="kv_multicast is the 16-bit seesaw kernel's"):
+        config.Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False, schedule="lockstep", kv_multicast=True)
+    with pytest.raises(ValueError, match="LaunchConfig: kv_multicast must be True, False or None, got 1"):
+        LaunchConfig(kv_multicast=1)
+    assert "kv-multicast" in LaunchConfig(kv_multicast=True).label()
+    assert "no-kv-multicast" in LaunchConfig(kv_multicast=False).label()
+    assert LaunchConfig.from_dict(LaunchConfig(kv_multicast=False).as_dict()).kv_multicast is False
+    served = serving_variants()
+    twins = {v for v in served if v.kv_multicast}
+    assert twins == {dataclasses.replace(v, kv_multicast=True) for v in served if config.multicast_fits(v)
+                     and not v.kv_multicast and v.block_size == 64}
+    assert len(twins) >= 8 and all(v.l2_prefetch == config.SEESAW_L2_PREFETCH for v in twins)
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_kv_multicast_compiles_to_multicast_tma_without_spills(tmp_path, block_size):
+    """The multicast variant's producer issues UTMALDG.*.MULTICAST (half of a tile's boxes per CTA: 9 chunks per
+    page slice split 5 / 4), its consumers' wgmmas stay unserialised, no spills; the SASS check refuses a
+    kv_multicast variant without a multicast load."""
+    from mla_backend_plugin.kernels.cute_sm90.build import inspect_cubin, sass_problems
+
+    v = config.Variant("bf16", "bf16", "bf16", 128, 1, block_size, False, False, l2_prefetch=1, kv_multicast=True)
+    compiled = launch.compile_variant(v, use_pdl=True, arch="sm_90a", keep_dir=str(tmp_path))
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled.__cubin__)
+    info = inspect_cubin(str(path))
+    assert info["utmaldg_multicast"] > 0 and info["utmaldg_multicast"] == info["utmaldg"], info
+    assert not sass_problems(v, info), (info, sass_problems(v, info))
+    assert "no UTMALDG.*.MULTICAST" in sass_problems(v, dict(info, utmaldg_multicast=0))[0]
+
+
 @pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_l2_prefetch_compiles_to_bulk_prefetches_without_spills(tmp_path, block_size):
@@ -777,7 +846,7 @@ def test_launch_setup_is_kept_per_shape_config_and_workspace(monkeypatch):
     cfg = launch.default_config(_args(), (9, 0))
     first = launch.launch_setup(_args(batch=2), ws, cfg)
     assert launch.launch_setup(_args(batch=2), ws, cfg) is first and len(variants) == 1
-    assert first[0] == launch.variant_for(_args(batch=2), cfg)
+    assert first[0] == launch.variant_for(_args(batch=2), cfg)  # 2 requests: below the multicast's smallest batch
     assert first[2] is ws.plan_for(_args(batch=2), launch.PlanTile(config.BLOCK_M, config.BLOCK_N), first[1])
     others = [
         (_args(batch=8), cfg),
@@ -793,7 +862,8 @@ def test_launch_setup_is_kept_per_shape_config_and_workspace(monkeypatch):
     seen = {id(first)}
     for args, c in others:
         prepared = launch.launch_setup(args, ws, c)
-        assert id(prepared) not in seen and prepared[0] == launch.variant_for(args, c), (args.batch, c)
+        variant = launch.variant_for(args, c, launch.kv_multicast_for(args, c, prepared[3]))
+        assert id(prepared) not in seen and prepared[0] == variant, (args.batch, c)
         seen.add(id(prepared))
     other_ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=128, num_sms=132,
                             rows_per_cta=config.BLOCK_M)

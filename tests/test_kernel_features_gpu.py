@@ -204,6 +204,57 @@ def test_cute_sm90_seesaw_l2_prefetch(kernel, l2_prefetch, bs):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_cute_sm90_seesaw_kv_multicast(kernel, monkeypatch, bs, q_len):
+    """The seesaw's KV tiles shared by TMA multicast over clusters of two m-block CTAs (LaunchConfig.kv_multicast;
+    128 heads: one cluster per work item at q_len 1, two at q_len 2) against the reference and bit for bit against
+    the same launch without it: split grids merged by the combine kernel and by each request's last CTA, splits
+    of one to many tile pairs and ending inside a page, NaN in every unread slot and in the outputs. Checks that
+    the multicast variant is the one launched (and never for a grid whose CTAs merge together)."""
+    if kernel != "cute_sm90":
+        pytest.skip("cute_sm90 only")
+    from mla_backend_plugin.kernels.cute_sm90 import launch as sm90_launch
+
+    launched = []
+    compiled = sm90_launch._compiled
+    monkeypatch.setattr(sm90_launch, "_compiled",
+                        lambda variant, pdl: launched.append(getattr(variant, "kv_multicast", None))
+                        or compiled(variant, pdl))
+    cases = [(6, [1, 64 + 5, 3 * 64, 5 * 64 - 1, 2000, 9000], 132, False),  # the combine kernel
+             (6, [1, 64 + 5, 3 * 64, 5 * 64 - 1, 2000, 9000], 1, False),
+             (80, [37 * i % 3000 + 1 for i in range(80)], 132, True)]  # >= 160 CTAs: the last CTA merges
+    for batch, lens, num_sms, fused in cases:
+        inp = make_decode_inputs(batch, lens, q_len, 128, bs, torch.bfloat16, "pair", "cuda", 29 + batch)
+        ref_out, ref_lse = inp.reference()
+        ws = MLAWorkspace("cuda", max_batch=batch, max_q_len=q_len, num_heads=128, num_sms=num_sms)
+        outs = []
+        for mc in (False, True):
+            launched.clear()
+            out, lse = inp.poisoned_outputs()
+            mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
+                       kernel=KERNEL, config=LaunchConfig(schedule="seesaw", kv_multicast=mc, fused_combine=fused))
+            torch.cuda.synchronize()
+            msg = f"kv_multicast={mc} B={batch} num_sms={num_sms} fused_combine={fused}"
+            assert mc in launched and not (not mc and True in launched), (msg, launched)
+            assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg=msg)
+            outs.append((out, lse))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # a grid that fits at once merges cooperatively: the plain kernel runs there, whatever the config asks (at q_len
+    # 1 two requests fill one wave of 132 CTAs; at q_len 2 the plan's grid bound, 4 m-blocks x (B + 33 - 1) items,
+    # is more than a wave: the combine kernel and the multicast)
+    inp = make_decode_inputs(2, [700, 3000], q_len, 128, bs, torch.bfloat16, "pair", "cuda", 31)
+    ws = MLAWorkspace("cuda", max_batch=2, max_q_len=q_len, num_heads=128)
+    launched.clear()
+    out, lse = inp.poisoned_outputs()
+    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws, kernel=KERNEL,
+               config=LaunchConfig(schedule="seesaw", kv_multicast=True))
+    torch.cuda.synchronize()
+    (fused,) = [d[3] for k, d in ws.decisions.items() if k[0] == "cute_sm90.launch"]
+    assert (True in launched) == (not fused) and (fused or q_len > 1), (fused, launched)
+    assert_close_decode(out, lse, *inp.reference(), torch.bfloat16, msg=f"fused={fused}")
+
+
 def _replay_with_new_lengths(inp, ws, fresh, counters, kv_dtype, seed, after_capture=None):
     """Capture ``inp``'s call in a CUDA graph (check ``after_capture()`` then), replay it with new lengths (drawn,
     all at the block table's width, alternately empty and 700, q_len + 1; inputs from ``fresh(lengths, seed)``)

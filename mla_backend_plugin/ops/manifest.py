@@ -82,6 +82,10 @@ class LaunchConfig:
     # cute_sm90 with a 16-bit cache, seesaw schedule: the producer prefetches the KV of the tile pair this many
     # pairs ahead of its TMA loads into L2 (0 = off); None = the family's default
     l2_prefetch: int | None = None
+    # cute_sm90 with a 16-bit cache, seesaw schedule, an even m-block count: the m-block CTAs of a work item share
+    # each KV tile over a 2-CTA cluster by TMA multicast in split grids too large to run at once; None = the
+    # family's default
+    kv_multicast: bool | None = None
 
     def __post_init__(self):
         if self.split_plan not in SPLIT_PLANS:
@@ -95,6 +99,8 @@ class LaunchConfig:
                              f"{', '.join(LAST_CTA_COMBINE)}")
         if self.l2_prefetch is not None and not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
             raise ValueError(f"LaunchConfig: l2_prefetch must be in 0..{MAX_L2_PREFETCH}, got {self.l2_prefetch}")
+        if self.kv_multicast is not None and not isinstance(self.kv_multicast, bool):
+            raise ValueError(f"LaunchConfig: kv_multicast must be True, False or None, got {self.kv_multicast!r}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:
@@ -137,6 +143,8 @@ class LaunchConfig:
             parts.append(self.schedule)
         if self.l2_prefetch is not None:
             parts.append(f"l2-prefetch {self.l2_prefetch}")
+        if self.kv_multicast is not None:
+            parts.append("kv-multicast" if self.kv_multicast else "no-kv-multicast")
         if not self.fused_combine:
             parts.append("no-fused-combine")
         elif self.last_cta_combine != "eager":

@@ -77,6 +77,10 @@ class MbarrierRing:
     def arrive(self, j) -> None:
         cute.arch.mbarrier_arrive(self.slot(j))
 
+    def arrive_peer(self, j, peer) -> None:
+        """Arrive at the same slot in the shared memory of CTA ``peer`` of this cluster (``mapa``)."""
+        cute.arch.mbarrier_arrive(self.slot(j), peer_cta_rank_in_cluster=peer)
+
     def arrive_expect_tx(self, j, nbytes: int) -> None:
         cute.arch.mbarrier_arrive_and_expect_tx(self.slot(j), nbytes)
 

@@ -18,7 +18,14 @@ import time
 from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
-from mla_backend_plugin.kernels.cute_sm90.config import SEESAW_L2_PREFETCH, PlanVariant, Variant, shared_bytes
+from mla_backend_plugin.kernels.cute_sm90.config import (
+    SEESAW_KV_MULTICAST_BLOCK_SIZES,
+    SEESAW_L2_PREFETCH,
+    PlanVariant,
+    Variant,
+    multicast_fits,
+    shared_bytes,
+)
 from mla_backend_plugin.kernels.cute_sm90.launch import AOT, STEP_PLAN
 from mla_backend_plugin.ops.manifest import VariantResult
 
@@ -54,8 +61,12 @@ def serving_variants() -> list[Variant]:
     out += [Variant(kv, q_dtype, "bf16", h, q, 64, q_dtype == "fp8", kv == "fp8", fp8_mma=mma, row_kv_lens=True)
             for (kv, q_dtype, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
     # the 16-bit seesaw with the L2 prefetch distance a default config runs (launch.l2_prefetch_for)
-    return [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH) if v.kv_dtype != "fp8" and v.schedule == "seesaw"
-            else v for v in out]
+    out = [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH) if v.kv_dtype != "fp8" and v.schedule == "seesaw"
+           else v for v in out]
+    # and, where its m-blocks pair up at a page size the default multicasts, its KV-multicast twin: what the same
+    # shape runs in split grids too large to run at once (launch.kv_multicast_for)
+    return out + [dataclasses.replace(v, kv_multicast=True) for v in out
+                  if multicast_fits(v) and v.block_size in SEESAW_KV_MULTICAST_BLOCK_SIZES]
 
 
 def builds() -> list[Variant | PlanVariant]:
@@ -87,6 +98,7 @@ def inspect_cubin(path: str) -> dict:
     return dict(registers=num("REG"), stack=num("STACK"), local=num("LOCAL"), shared_static=num("SHARED"),
                 hgmma=len(re.findall(r"\bHGMMA\.", sass)), qgmma=len(re.findall(r"\bQGMMA\.", sass)),
                 utmaldg=len(re.findall(r"\bUTMALDG", sass)), ublkpf=len(re.findall(r"\bUBLKPF", sass)),
+                utmaldg_multicast=len(re.findall(r"\bUTMALDG\.\w+\.MULTICAST", sass)),
                 ldsm_t=len(re.findall(r"\bLDSM\.16\.MT88", sass)),
                 wgmma_waits=len(re.findall(r"\bWARPGROUP\.DEPBAR", sass)),
                 spill_ops=len(re.findall(r"\b(?:STL|LDL)\b", sass)))
@@ -134,6 +146,8 @@ def sass_problems(variant: Variant | PlanVariant, info: dict) -> list[str]:
                         f"{info['hgmma'] + info['qgmma']} wgmma")
     if variant.l2_prefetch and info["ublkpf"] == 0:  # the seesaw producer's L2 prefetch of pairs ahead
         problems.append("no UBLKPF (cp.async.bulk.prefetch.L2) in the SASS of an l2_prefetch variant")
+    if variant.kv_multicast and info["utmaldg_multicast"] == 0:  # the seesaw's KV tiles shared over a cluster
+        problems.append("no UTMALDG.*.MULTICAST (TMA multicast) in the SASS of a kv_multicast variant")
     if (variant.kv_dtype != "fp8" or variant.fp8_mma) and info["utmaldg"] == 0:
         problems.append("no UTMALDG (TMA load) in the SASS")
     if spills or info["spill_ops"]:

@@ -36,6 +36,19 @@ STAGES_C = 5
 # 16-bit caches, seesaw schedule: tile pairs the producer prefetches into L2 ahead of its TMA loads when the launch
 # config does not say (LaunchConfig.l2_prefetch; measured: docs/perf/cute_sm90_bf16.md)
 SEESAW_L2_PREFETCH = 1
+# 16-bit caches, seesaw schedule, an even number of m-blocks (128 heads; 64 at q_len 2 and 4; 32 at q_len 3-4): the two
+# m-block CTAs of a work item run as a cluster of KV_CLUSTER and each TMA-loads every other 64-column chunk of each
+# KV tile into both (multicast), so every tile crosses L2 -> SM once per cluster instead of once per CTA. Only for
+# split grids that do not fit on the GPU at once (launch.kv_multicast_for): the cooperative fused combine needs every
+# CTA resident, which a cluster grid does not promise at one CTA per SM. The default when the launch config does not
+# say (LaunchConfig.kv_multicast): on for 64-token pages from batch 32. Measured (nvidia-h200, 2026-11-29, the
+# standard bf16 grid beside kv_multicast false; docs/perf/cute_sm90_bf16.md): 0.896-0.974x the time at B >= 64 and
+# S >= 4096 (q_len 1), 0.92-0.96x at S = 32768 (q_len 2), within noise elsewhere, but +4% at q_len 2 B=8 S <= 4096
+# (few tiles per CTA) and +3-8% with 16-token pages (+0-2% with 128-token pages) at B 64-256
+KV_CLUSTER = 2
+SEESAW_KV_MULTICAST = True
+SEESAW_KV_MULTICAST_MIN_BATCH = 32
+SEESAW_KV_MULTICAST_BLOCK_SIZES = (64,)
 # The epilogue stages the 64 x 512 output tile in shared memory (Q's buffer and the KV ring after it, free by
 # then) and writes whole rows with 16-byte stores. Row pitch 512 + 8 elements keeps rows 16-byte aligned and
 # spreads the accumulator layout's 8 rows per warp over all 32 banks.
@@ -64,6 +77,9 @@ class Variant(CuteVariant):
     schedule: str = "seesaw"
     # 16-bit caches, seesaw schedule: KV tile pairs prefetched into L2 ahead of the TMA ring (0 = off)
     l2_prefetch: int = 0
+    # 16-bit caches, seesaw schedule, an even m-block count: clusters of KV_CLUSTER m-block CTAs share each KV tile
+    # by TMA multicast
+    kv_multicast: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -76,6 +92,10 @@ class Variant(CuteVariant):
         if self.l2_prefetch and self.schedule != "seesaw":
             raise ValueError(f"l2_prefetch={self.l2_prefetch} is the 16-bit seesaw kernel's; schedule "
                              f"{self.schedule!r}, kv_dtype {self.kv_dtype!r} (allowed: 0 there)")
+        if self.kv_multicast and not multicast_fits(self):
+            raise ValueError(f"kv_multicast is the 16-bit seesaw kernel's with an m-block count divisible by "
+                             f"{KV_CLUSTER}; schedule {self.schedule!r}, kv_dtype {self.kv_dtype!r}, "
+                             f"{m_blocks(self.num_heads, self.q_len)} m-block(s) (allowed: False there)")
 
     @property
     def compute_dtype(self) -> str:
@@ -88,7 +108,15 @@ class Variant(CuteVariant):
         rows = " row_kv_lens" if self.row_kv_lens else ""
         schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
         l2 = f" l2pf{self.l2_prefetch}" if self.l2_prefetch else ""
-        return f"{design}{rows}{schedule}{l2}"
+        mc = f" mc{KV_CLUSTER}" if self.kv_multicast else ""
+        return f"{design}{rows}{schedule}{l2}{mc}"
+
+
+def multicast_fits(variant: Variant) -> bool:
+    """Whether a variant's kernel can share its KV tiles over a cluster (Variant.kv_multicast): the 16-bit seesaw
+    with an m-block count the cluster divides (the m-blocks of one work item are adjacent in the grid's x)."""
+    return (variant.kv_dtype != "fp8" and variant.schedule == "seesaw"
+            and m_blocks(variant.num_heads, variant.q_len) % KV_CLUSTER == 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ from mla_backend_plugin.kernels.cute_common.scheduler import BalancedScheduler
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    KV_CLUSTER,
     KV_STAGES,
     NUM_THREADS,
     Q_REG_CHUNKS,
@@ -306,25 +307,32 @@ class Sm90MlaDecode:
 
     @cute.jit
     def tma_tile(self, tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, stage, bar,
-                 c0: cutlass.Constexpr, c1: cutlass.Constexpr):
+                 c0: cutlass.Constexpr, c1: cutlass.Constexpr, rank=0):
         """Chunks [c0, c1) of the 64-key tile at ``tile_start`` into ``stage``, page slice by page slice (one
         slice when a page holds the whole tile); ``first_page`` is the first slice's, read ahead (page_of).
         A dynamic loop over the other slices: unrolled, 16-token pages keep 4 page ids and their coordinates
-        live and spill in the producer's 24 registers."""
+        live and spill in the producer's 24 registers. With the KV multicast (the seesaw's ``kv_multicast``)
+        this CTA (``rank`` in its cluster) issues the chunks c with c % KV_CLUSTER == rank, each into every CTA
+        of the cluster."""
         rb = self.box_rows
-        self.tma_slice(tma_atom, tKg, tKs, first_page, tile_start, 0, stage, bar, c0, c1)
+        self.tma_slice(tma_atom, tKg, tKs, first_page, tile_start, 0, stage, bar, c0, c1, rank)
         if cutlass.const_expr(BLOCK_N // rb > 1):
             for p in cutlass.range(1, BLOCK_N // rb, unroll=1):
                 tok = tile_start + p * rb
                 self.tma_slice(tma_atom, tKg, tKs, self.page_of(mBT, b, tok, kv_end, num_blocks), tok, p, stage,
-                               bar, c0, c1)
+                               bar, c0, c1, rank)
 
     @cute.jit
     def tma_slice(self, tma_atom, tKg, tKs, page, tok, p, stage, bar, c0: cutlass.Constexpr,
-                  c1: cutlass.Constexpr):
+                  c1: cutlass.Constexpr, rank=0):
         row_box = (tok % self.v.block_size) // self.box_rows
         for c in cutlass.range_constexpr(c0, c1):
-            cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.v.kv_multicast):
+                if rank == c % KV_CLUSTER:
+                    cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar,
+                              mcast_mask=cutlass.Int16((1 << KV_CLUSTER) - 1))
+            else:
+                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar)
 
     @cute.jit
     def produce_fp8(self, kv_producer, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx):

@@ -21,6 +21,10 @@ tensor cores busy (the design FlashMLA's SM90 decode uses; docs/design/cute_sm90
   first, which is the order the halves free up, so the next tile's loads start before the current pair's
   last P V has finished. The producer loads a pair in the order A0-3, B4-8, A4-8, B0-3: every half it waits
   for is released by consumer work that needs no later load (no cycle, no deadlock).
+* KV multicast (``Variant.kv_multicast``): the m-block CTAs 2k and 2k + 1 of a work item form a cluster; each
+  producer loads the chunks of its rank's parity into both CTAs (TMA multicast), each consumer warp releases a half
+  at both CTAs' empty barriers (16 arrivals) but for the split's last pair (which nobody refills, so no remote
+  arrive can reach a CTA that has exited), and each CTA prefetches one tile of the next pair into L2.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    KV_CLUSTER,
     NUM_THREADS,
     REGS_CONSUMER,
     REGS_PRODUCER_TMA,
@@ -109,8 +114,11 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         box_layout = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cd),
             (self.box_rows, 64), order=(0, 1))
-        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), g_kv, box_layout,
-                                                           (self.box_rows, 64))
+        # with the KV multicast each box lands in both CTAs of the cluster (its mask names both): the atom keeps
+        # the whole box, and each CTA issues every other chunk (produce)
+        tma_op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.v.kv_multicast
+                  else cpasync.CopyBulkTensorTileG2SOp())
+        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(tma_op, g_kv, box_layout, (self.box_rows, 64))
 
         @cute.struct
         class SharedStorage:
@@ -127,13 +135,15 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
 
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
+        # the KV multicast pairs m-blocks 2k and 2k + 1 of a work item (adjacent in x) into one cluster
+        cluster = {"cluster": (KV_CLUSTER, 1, 1)} if self.v.kv_multicast else {}
         self.kernel(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mSeq,
                     mRowKv, mOut, mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2,
                     mWork, mCombineCtr, fuse_combine, q_layout, kv_layout,
                     p_layout,
                     v_layout_one.inner, v_outer).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
-            use_pdl=self.use_pdl)
+            use_pdl=self.use_pdl, **cluster)
 
     # ------------------------------------------------------------------------------------------------
     # device side
@@ -165,16 +175,28 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         sSumX = storage.row_sum_x.get_tensor(cute.make_layout(2 * BLOCK_M))
         sV = cute.make_tensor(cute.recast_ptr(sKV.iterator, v_swizzle), v_outer)
         bars = storage.kv_mbar.data_ptr()
-        # one use per pair of tiles: ring of 1 slot, use i = pair i
+        # one use per pair of tiles: ring of 1 slot, use i = pair i. With the KV multicast a stage's half is
+        # written into both CTAs by both producers, so it may be refilled only once the consumer warps of both
+        # CTAs released it: 16 arrivals (each warp arrives here and at the peer's barrier)
+        mc = self.v.kv_multicast
         full = [[MbarrierRing(bars + 2 * s + h, 1, 1) for h in range(2)] for s in range(2)]
-        empty = [[MbarrierRing(bars + 4 + 2 * s + h, 1, 8) for h in range(2)] for s in range(2)]
+        empty = [[MbarrierRing(bars + 4 + 2 * s + h, 1, 8 * (KV_CLUSTER if mc else 1)) for h in range(2)]
+                 for s in range(2)]
+        rank = 0
+        if cutlass.const_expr(mc):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         if tidx == 0:
             for s in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):
                     full[s][h].init()
                     empty[s][h].init()
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(mc):
+            # the peer's first loads and releases reach this CTA's barriers only once they are initialised
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
 
@@ -188,13 +210,14 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
             if wg == 0:
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER_TMA)
                 if warp_idx == 0:
-                    self.produce(tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs)
+                    self.produce(tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs,
+                                 rank)
             else:
                 cute.arch.setmaxregister_increase(REGS_CONSUMER)
                 self.consume_seesaw(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0,
                                     sP1, sMaxA, sMaxB, sSumX, storage.sQ.data_ptr(), mQn, mQp, mRowKv, mOut, mLse,
                                     mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b,
-                                    mblk, slot, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1)
+                                    mblk, slot, seq_len, kv_start, kv_end, n_pairs, tidx - 128, wg - 1, rank)
                 if fuse_combine != 0 and n_splits > 1:
                     self.combine_in_kernel(mCombineCtr, mPartO, mPartLse, mOut, mLse, mQScale, mKVScale, q_scale,
                                            kv_scale, b, mblk, slot0, n_splits, fuse_combine, tidx - 128,
@@ -204,7 +227,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs):
+    def produce(self, tma_atom, tma_tensor, sKV, full, empty, mKV, mBT, b, kv_start, kv_end, n_pairs, rank):
         rb = self.box_rows
         s_boxes = cute.flat_divide(sKV, (rb, 64))
         g_boxes = cute.flat_divide(tma_tensor, (rb, 64))
@@ -217,7 +240,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
             for n in cutlass.range_constexpr(4):
                 tile_in_pair, h = LOAD_ORDER[n]
                 self.load_half(tma_atom, tKg, tKs, full[tile_in_pair][h], empty[tile_in_pair][h], mBT,
-                               num_blocks, b, kv_start, kv_end, 2 * i + tile_in_pair, i, tile_in_pair, h)
+                               num_blocks, b, kv_start, kv_end, 2 * i + tile_in_pair, i, tile_in_pair, h, rank)
             if cutlass.const_expr(ahead > 0):
                 # pair i + ahead into L2 once pair i is issued (the pairs between at the first pair): HBM works
                 # on the pairs the two-stage ring has no room for, and their TMA loads later read L2
@@ -227,13 +250,18 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 for pair in cutlass.range(first, i + ahead + 1, unroll=1):
                     if pair < n_pairs:
                         for t in cutlass.range_constexpr(2):
-                            self.prefetch_tile_l2(mKV, mBT, b, kv_start + (2 * pair + t) * BLOCK_N, kv_end,
-                                                  num_blocks)
+                            # with the KV multicast each CTA of the pair prefetches one tile of the pair
+                            if not self.v.kv_multicast or rank == t:
+                                self.prefetch_tile_l2(mKV, mBT, b, kv_start + (2 * pair + t) * BLOCK_N, kv_end,
+                                                      num_blocks)
 
     @cute.jit
     def load_half(self, tma_atom, tKg, tKs, full, empty, mBT, num_blocks, b, kv_start, kv_end, tile, use,
-                  stage: cutlass.Constexpr, half: cutlass.Constexpr):
-        """Half ``half`` of tile ``tile`` into ``stage`` once the consumers released the previous pair's."""
+                  stage: cutlass.Constexpr, half: cutlass.Constexpr, rank):
+        """Half ``half`` of tile ``tile`` into ``stage`` once the consumers released the previous pair's (with
+        the KV multicast: both CTAs' consumers). The full barrier expects the whole half's bytes, with the
+        multicast half of them from the peer's loads (which may land before this arrive: the phase cannot
+        complete before it, its one arrival)."""
         c0, c1 = HALF_CHUNKS[half]
         tile_start = kv_start + tile * BLOCK_N
         first_page = self.page_of(mBT, b, tile_start, kv_end, num_blocks)
@@ -241,7 +269,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         with cute.arch.elect_one():
             full.arrive_expect_tx(use, (c1 - c0) * self.chunk_bytes)
         self.tma_tile(tma_atom, tKg, tKs, mBT, b, tile_start, kv_end, num_blocks, first_page, stage, full.slot(use),
-                      c0, c1)
+                      c0, c1, rank)
 
     @cute.jit
     def issue_qk_half(self, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, stage: cutlass.Constexpr,
@@ -281,22 +309,29 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         warpgroup.commit_group()
 
     @cute.jit
-    def release(self, ring, use, lane):
-        """One arrive per warp of a consumer group (the ring counts 8: both groups' warps)."""
+    def release(self, ring, use, lane, peer, more):
+        """One arrive per warp of a consumer group (the ring counts 8: both groups' warps). With the KV multicast
+        the warp also arrives at the peer CTA's barrier (``peer``: its rank; the ring counts 16), unless this is
+        the split's last pair (``more`` false): no producer waits for that release, and skipping it is what lets
+        either CTA exit without waiting for the other (no remote arrive can reach a CTA that has left)."""
         if lane == 0:
             ring.arrive(use)
+        if cutlass.const_expr(self.v.kv_multicast):
+            if lane == 0 and more:
+                ring.arrive_peer(use, peer)
 
     @cute.jit
     def consume_seesaw(self, qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, pv_rs_mma, full, empty, sQ, sKV, sV, sP0, sP1,
                        sMaxA, sMaxB, sSumX, stage_ptr, mQn, mQp, mRowKv, mOut, mLse, mPartO, mPartLse, mQScale,
                        mKVScale, q_scale, kv_scale, sm_scale_log2, n_splits, b, mblk, slot, seq_len, kv_start, kv_end,
-                       n_pairs, ctid, grp):
+                       n_pairs, ctid, grp, rank):
         """``grp`` (warp-uniform, from make_warp_uniform): 0 = left (tiles A, output columns 0..255), 1 = right
         (tiles B, columns 256..511). ptxas must see the branch on it as uniform, or it serialises every wgmma
         (C7518, "WG.DP in divergent path")."""
         cd = self.cdtype
         gtid = ctid % 128
         lane = ctid % 32
+        peer = rank ^ 1  # the other CTA of the cluster (read only with the KV multicast)
 
         qk_mma.set(warpgroup.Field.ACCUMULATE, False)
         qk_acc_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -343,10 +378,11 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, 0, 0, 0)
             for i in cutlass.range(n_pairs, unroll=1):
                 tile_start = kv_start + 2 * i * BLOCK_N
+                more = i + 1 < n_pairs
                 warpgroup.wait_group(0)  # S_A (and the previous pair's P_B V_B)
                 self.zero_tail_v(sKV, 0, kv_end - tile_start, gtid)
-                self.release(empty[0][1], i, lane)  # tile A's chunks 4-8: read by S_A only
-                self.release(empty[1][1], i, lane)  # tile B's chunks 4-8: never read by this group
+                self.release(empty[0][1], i, lane, peer, more)  # tile A's chunks 4-8: read by S_A only
+                self.release(empty[1][1], i, lane, peer, more)  # tile B's chunks 4-8: never read by this group
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
                 m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -360,7 +396,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 self.left_p_at_right_max(sMaxB, i, tScS, m_a, row_max, alpha, acc_s, tSsP0)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
                 warpgroup.wait_group(0)  # P_A V_A,left
-                self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: S_A and P_A V_A,left are done
+                self.release(empty[0][0], i, lane, peer, more)  # tile A's chunks 0-3: S_A and P_A V_A,left are done
                 for half in cutlass.range_constexpr(2):
                     row_sum[half] = row_sum[half] * alpha[half]
                 self.rescale_o(acc_o, alpha)
@@ -369,21 +405,22 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                     full[0][0].wait_filled(i + 1)
                     self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 0, True)
                     warpgroup.wait_group(1)  # P_B V_B,left
-                    self.release(empty[1][0], i, lane)
+                    self.release(empty[1][0], i, lane, peer, more)
                     full[0][1].wait_filled(i + 1)
                     self.issue_qk_half(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, 0, 1, False)
                 else:
                     warpgroup.wait_group(0)
-                    self.release(empty[1][0], i, lane)
+                    self.release(empty[1][0], i, lane, peer, more)
         else:
             if n_pairs > 0:
                 self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, 0, 1, 1)
             for i in cutlass.range(n_pairs, unroll=1):
                 tile_start = kv_start + (2 * i + 1) * BLOCK_N
+                more = i + 1 < n_pairs
                 warpgroup.wait_group(0)  # S_B (the previous pair's P V were retired at its end)
                 self.zero_tail_v(sKV, 1, kv_end - tile_start, gtid)
-                self.release(empty[1][0], i, lane)  # tile B's chunks 0-3: read by S_B only here
-                self.release(empty[0][0], i, lane)  # tile A's chunks 0-3: never read by this group
+                self.release(empty[1][0], i, lane, peer, more)  # tile B's chunks 0-3: read by S_B only here
+                self.release(empty[0][0], i, lane, peer, more)  # tile A's chunks 0-3: never read by this group
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 consumer_sync(Sm90DecodeBarrier.SCALE_A)
                 self.right_softmax(sMaxA, sMaxB, i, tScS, tile_max, row_max, row_sum, acc_s, r_p, tSsP1, acc_o, lane)
@@ -391,9 +428,9 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # sP0 and sP1 written
                 self.issue_pv(pv_mma, acc_o, tOrP0, tOrV, 0, False)
                 warpgroup.wait_group(1)  # P_B V_B,right
-                self.release(empty[1][1], i, lane)
+                self.release(empty[1][1], i, lane, peer, more)
                 warpgroup.wait_group(0)  # P_A V_A,right
-                self.release(empty[0][1], i, lane)
+                self.release(empty[0][1], i, lane, peer, more)
                 if i + 1 < n_pairs:
                     self.issue_qk_tile(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, full, i + 1, 1, 1)
 

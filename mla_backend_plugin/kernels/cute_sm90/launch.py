@@ -32,10 +32,14 @@ from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    SEESAW_KV_MULTICAST,
+    SEESAW_KV_MULTICAST_BLOCK_SIZES,
+    SEESAW_KV_MULTICAST_MIN_BATCH,
     SEESAW_L2_PREFETCH,
     PlanVariant,
     Variant,
     m_blocks,
+    multicast_fits,
     softmax_scale_log2,
 )
 from mla_backend_plugin.ops.constants import FP8_DTYPE
@@ -153,7 +157,7 @@ def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
     return PlanTile(rows_per_cta=BLOCK_M, block_n=BLOCK_N)
 
 
-def variant_for(args, config: LaunchConfig) -> Variant:
+def variant_for(args, config: LaunchConfig, kv_multicast: bool = False) -> Variant:
     design = config.fp8_design or "fp8mma"
     fp8_mma = args.kv_dtype == FP8_DTYPE and design in ("fp8mma", "fp8seesaw")
     return Variant(kv_dtype=DTYPE_NAMES[args.kv_dtype], q_dtype=DTYPE_NAMES[args.q_dtype],
@@ -162,7 +166,30 @@ def variant_for(args, config: LaunchConfig) -> Variant:
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
                    fp8_seesaw=args.kv_dtype == FP8_DTYPE and design == "fp8seesaw",
                    row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config),
-                   l2_prefetch=l2_prefetch_for(args, config))
+                   l2_prefetch=l2_prefetch_for(args, config), kv_multicast=kv_multicast)
+
+
+def may_multicast(args, config: LaunchConfig) -> bool:
+    """Whether this config runs the KV multicast where a call's split grid does not fit at once: the config's
+    ``kv_multicast``, else the default (SEESAW_KV_MULTICAST with the page sizes and the smallest batch it was
+    measured to pay at); only kernels with a cluster-divisible m-block count have one."""
+    wanted = config.kv_multicast
+    if wanted is None:
+        wanted = (SEESAW_KV_MULTICAST and args.block_size in SEESAW_KV_MULTICAST_BLOCK_SIZES
+                  and args.batch >= SEESAW_KV_MULTICAST_MIN_BATCH)
+    return wanted and multicast_fits(variant_for(args, config))
+
+
+def kv_multicast_for(args, config: LaunchConfig, fused: bool) -> bool:
+    """The KV multicast for one call: where the config may run it (may_multicast) and the CTAs do not merge
+    together (``fused``, COOPERATIVE): that merge waits for every CTA of the grid, which is safe only when all are
+    resident at once, and a grid of clusters does not promise that at the SM count (a GPC with an odd number of free
+    SMs leaves one idle). A grid that fits at once has at most one CTA per SM and no second wave to overlap. Where
+    the DSL is missing only a prebuilt multicast variant can run; without one the call runs the plain kernel (the
+    one unsupported_reason asks for)."""
+    if fused or not may_multicast(args, config):
+        return False
+    return not dsl_missing() or AOT.prebuilt_reason(variant_for(args, config, True), config.enable_pdl, ARCH) is None
 
 
 def l2_prefetch_for(args, config: LaunchConfig) -> int:
@@ -226,8 +253,10 @@ def prebuild(args, config: LaunchConfig, cc) -> bool:
     """Start compiling what ``launch(args, ..., config)`` runs in background processes (cute_common/background.py):
     the variant and the step-plan kernel (every launch plans its step with it); True when a build is running."""
     split = background.start(AOT, variant_for(args, config), config.enable_pdl, ARCH)
+    multicast = may_multicast(args, config) and background.start(AOT, variant_for(args, config, True),
+                                                                 config.enable_pdl, ARCH)
     step_plan = background.start(AOT, STEP_PLAN, config.enable_pdl, ARCH)
-    return split or step_plan
+    return split or multicast or step_plan
 
 
 @functools.cache
@@ -339,12 +368,12 @@ def launch_setup(args, workspace, config: LaunchConfig) -> tuple:
            args.row_kv_lens is None, schedule_for(args, config), args.q_nope.device.index)
     prepared = workspace.decisions.get(key)
     if prepared is None:
-        fn = _compiled(variant_for(args, config), config.enable_pdl)
         run_config = wave_filling_config(args, workspace, config)
         # the device schedule packs a 128-request step's slot count into 16 bits: 128 * max_splits (<= 64, the
         # workspace's limit) < 2^16
         plan = workspace.plan_for(args, PlanTile(BLOCK_M, BLOCK_N), run_config)
         fused = fuses_combine(args, plan, run_config.fused_combine)
+        fn = _compiled(variant_for(args, config, kv_multicast_for(args, config, fused)), config.enable_pdl)
         counters = workspace.scratch.get(COMBINE_SCRATCH)
         last_cta = None if fused else last_cta_merges(args, plan, run_config,
                                                       0 if counters is None else counters.numel() // 4)
