@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+from mla_backend_plugin.ops import LaunchConfig, MLAWorkspace, mla_decode
 from mla_backend_plugin.ops.constants import FP8_DTYPE
 from mla_backend_plugin.testing import assert_close_decode, make_decode_inputs
 
@@ -40,14 +40,15 @@ def main(kernel: str) -> None:
                             msg=f"sanitizer case {kv_dtype} sms={num_sms} fused combine={fused}")
     if kernel == "cute_sm90":
         # a grid too large to be resident at once (24 requests x 128 heads: 178 CTAs on 132 SMs): each request's
-        # last CTA merges its partials (LAST_CTA), and the seesaw runs its KV multicast (2-CTA clusters)
+        # last CTA merges its partials (LAST_CTA), and the seesaw runs its KV multicast (2-CTA clusters; asked for:
+        # the default's smallest batch is 32)
         os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
         lens = [1500, 700, 64 * 5 + 3, 1, 0, 900, 1200, 2000] * 3
         inp = make_decode_inputs(24, lens, 1, 128, 64, torch.bfloat16, "pair", "cuda", 9)
         ws = MLAWorkspace("cuda", max_batch=24, max_q_len=1, num_heads=128)
         out, lse = inp.poisoned_outputs()
         mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, workspace=ws,
-                   kernel=kernel, **inp.scale_kwargs())
+                   kernel=kernel, config=LaunchConfig(kv_multicast=True), **inp.scale_kwargs())
         torch.cuda.synchronize()
         ref_out, ref_lse = inp.reference()
         assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg="sanitizer case last-CTA combine")
