@@ -138,6 +138,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "the producer prefetches the next tile pair into L2) or `lockstep` (both on every tile; the v3 kernel, "
            "the code fp8 design A runs: 4-33% slower than the seesaw on the H200 grid, docs/perf/cute_sm90_bf16.md).",
            kind="choice", choices=("seesaw", "lockstep")),
+    EnvVar("CUTE_MLA_SM90_KV_MULTICAST", "auto",
+           "cute_sm90 with a 16-bit KV cache, the default of `LaunchConfig.kv_multicast`: where a request's m-block "
+           "CTAs pair up (128 heads; 64 at q_len 2 and 4; 32 at q_len 3-4) and the split grid does not fit on the "
+           "GPU at once, run them as 2-CTA clusters that share each KV tile by TMA multicast. `auto`: at 64-token "
+           "pages from batch 32 (0.90-0.97x the time at B >= 64, S >= 4k on the H200; slower at 16-token pages), "
+           "`1`: wherever it can run, `0`: never.", kind="choice", choices=("auto", "1", "0")),
     EnvVar("CUTE_MLA_SM90_PLAN", "auto",
            "cute_sm90's split plan, decided per step on the device: `balanced` (a long request split into equal "
            "chunks, at most 32 of them unless that leaves it the step's critical path, then up to the "

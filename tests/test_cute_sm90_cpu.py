@@ -170,6 +170,15 @@ def test_kv_multicast_is_a_per_call_choice_of_the_seesaw(monkeypatch):
                                (16, 4, False), (32, 3, True), (64, 3, False)):
         assert launch.kv_multicast_for(_args(heads=heads, q_len=q_len), cfg, False) == fits, (heads, q_len)
     assert not launch.kv_multicast_for(args, LaunchConfig(kv_multicast=True, schedule="lockstep"), False)
+    # CUTE_MLA_SM90_KV_MULTICAST sets the default config's field (16-bit caches only)
+    for raw, field in (("auto", None), ("1", True), ("0", False)):
+        monkeypatch.setenv("CUTE_MLA_SM90_KV_MULTICAST", raw)
+        assert launch.default_config(args, (9, 0)).kv_multicast is field
+        assert launch.default_config(_args(kv_dtype=FP8_DTYPE, kv_scale=2.0), (9, 0)).kv_multicast is None
+    monkeypatch.setenv("CUTE_MLA_SM90_KV_MULTICAST", "always")
+    with pytest.raises(ValueError, match="CUTE_MLA_SM90_KV_MULTICAST='always': allowed values are auto, 1, 0"):
+        launch.default_config(args, (9, 0))
+    monkeypatch.delenv("CUTE_MLA_SM90_KV_MULTICAST")
     # no DSL to compile with: the multicast twin only where it is prebuilt, else the plain kernel
     for reason, want in (("not prebuilt", False), (None, True)):
         with monkeypatch.context() as m:

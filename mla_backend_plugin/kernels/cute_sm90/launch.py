@@ -122,14 +122,18 @@ def design_min_chunk(args, design: str | None) -> int | None:
     return FP8_Q_DESIGN_B_MIN_CHUNK if design == "fp8mma" and args.q_dtype == FP8_DTYPE else None
 
 
+KV_MULTICAST_ENV = {"auto": None, "1": True, "0": False}  # CUTE_MLA_SM90_KV_MULTICAST -> LaunchConfig.kv_multicast
+
+
 def default_config(args, cc) -> LaunchConfig:
     """What runs when nobody chose: the environment's split plan, PDL, fp8 design (fp8 caches) and the design's
-    smallest split, schedule (16-bit caches) and fused combine (envs.py)."""
+    smallest split, schedule and KV multicast (16-bit caches) and fused combine (envs.py)."""
     fp8 = args.kv_dtype == FP8_DTYPE
     design = fp8_design_for(args) if fp8 else None
     return LaunchConfig(split_plan=envs.CUTE_MLA_SM90_PLAN, enable_pdl=envs.CUTE_MLA_PDL, fp8_design=design,
                         min_chunk=design_min_chunk(args, design),
                         schedule=None if fp8 else envs.CUTE_MLA_SM90_SCHEDULE,
+                        kv_multicast=None if fp8 else KV_MULTICAST_ENV[envs.CUTE_MLA_SM90_KV_MULTICAST],
                         fused_combine=envs.CUTE_MLA_FUSED_COMBINE,
                         last_cta_combine=envs.CUTE_MLA_LAST_CTA_COMBINE)
 
