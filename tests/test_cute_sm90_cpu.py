@@ -198,8 +198,9 @@ def test_kv_multicast_is_a_per_call_choice_of_the_seesaw(monkeypatch):
     served = serving_variants()
     twins = {v for v in served if v.kv_multicast}
     assert twins == {dataclasses.replace(v, kv_multicast=True) for v in served if config.multicast_fits(v)
-                     and not v.kv_multicast and v.block_size == 64}
-    assert len(twins) >= 8 and all(v.l2_prefetch == config.SEESAW_L2_PREFETCH for v in twins)
+                     and not v.kv_multicast and v.block_size in config.SEESAW_KV_MULTICAST_BLOCK_SIZES}
+    assert {(128, 1), (128, 2), (64, 2), (32, 4)} <= {(v.num_heads, v.q_len) for v in twins}
+    assert all(v.l2_prefetch == config.SEESAW_L2_PREFETCH for v in twins)
 
 
 @pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl / apache-tvm-ffi not installed")

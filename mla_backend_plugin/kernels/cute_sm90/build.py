@@ -64,7 +64,7 @@ def serving_variants() -> list[Variant]:
     out = [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH) if v.kv_dtype != "fp8" and v.schedule == "seesaw"
            else v for v in out]
     # and, where its m-blocks pair up at a page size the default multicasts, its KV-multicast twin: what the same
-    # shape runs in split grids too large to run at once (launch.kv_multicast_for)
+    # shape runs in split grids too large to run at once (launch.kv_multicast_for; ~10 s each on CI's cores)
     return out + [dataclasses.replace(v, kv_multicast=True) for v in out
                   if multicast_fits(v) and v.block_size in SEESAW_KV_MULTICAST_BLOCK_SIZES]
 
