@@ -878,3 +878,38 @@ def test_launch_setup_is_kept_per_shape_config_and_workspace(monkeypatch):
     other_ws = MLAWorkspace("cpu", max_batch=8, max_q_len=2, num_heads=128, num_sms=132,
                             rows_per_cta=config.BLOCK_M)
     assert launch.launch_setup(_args(batch=2), other_ws, cfg) is not first
+
+
+def test_max_slack_is_a_variant_of_the_seesaw_kernels(monkeypatch):
+    """LaunchConfig.max_slack reaches design C's and the 16-bit seesaw's variants (their own binaries and names),
+    with the family's defaults where the config names none (design C FP8_SEESAW_MAX_SLACK, the 16-bit seesaw
+    SEESAW_MAX_SLACK) and 0 for every other kernel; design C's P scale keeps 2^slack x scale within e4m3; the
+    serving variants carry the defaults; bad values refused by name."""
+    from mla_backend_plugin.kernels.cute_sm90.build import serving_variants
+
+    monkeypatch.delenv("CUTE_MLA_SM90_SCHEDULE", raising=False)
+    fp8 = _args(kv_dtype=FP8_DTYPE, q_dtype=FP8_DTYPE, kv_scale=1.0, batch=32)
+    c = launch.variant_for(fp8, LaunchConfig(fp8_design="fp8seesaw"))
+    assert c.max_slack == config.FP8_SEESAW_MAX_SLACK > 0 and c.name.endswith(f" slack{c.max_slack:g}")
+    c0 = launch.variant_for(fp8, LaunchConfig(fp8_design="fp8seesaw", max_slack=0))
+    assert c0.max_slack == 0 and "slack" not in c0.name and c0 != c
+    assert launch.variant_for(fp8, LaunchConfig(fp8_design="fp8mma", max_slack=4)).max_slack == 0
+    assert launch.variant_for(fp8, LaunchConfig(fp8_design="dequant", max_slack=4)).max_slack == 0
+    bf16 = _args(batch=32)
+    assert launch.variant_for(bf16, LaunchConfig()).max_slack == config.SEESAW_MAX_SLACK
+    assert launch.variant_for(bf16, LaunchConfig(max_slack=8)).max_slack == 8
+    assert launch.variant_for(bf16, LaunchConfig(max_slack=8, schedule="lockstep")).max_slack == 0
+    for slack in (0.0, 0.5, 0.8, 1.0, 2.8, 4.75, 8.0):
+        scale = config.p_scale_for(slack)
+        assert scale * 2 ** slack <= config.E4M3_MAX and (scale == config.P_SCALE_FP8 or 2 * scale * 2 ** slack > 448)
+    assert config.p_scale_for(config.FP8_SEESAW_MAX_SLACK) == config.P_SCALE_FP8  # the default keeps P's scale
+    seesaw_c = [v for v in serving_variants() if v.fp8_seesaw]
+    assert seesaw_c and all(v.max_slack == config.FP8_SEESAW_MAX_SLACK for v in seesaw_c)
+    assert all(v.max_slack == 0 for v in serving_variants() if not v.fp8_seesaw and v.kv_dtype == "fp8")
+    for bad in (-1, 9, "1"):
+        with pytest.raises(ValueError, match="max_slack"):
+            LaunchConfig(max_slack=bad)
+    with pytest.raises(ValueError, match="max_slack"):
+        dataclasses.replace(c0, fp8_seesaw=False, max_slack=1.0)
+    with pytest.raises(ValueError, match="max_slack"):
+        dataclasses.replace(c, max_slack=9.0)

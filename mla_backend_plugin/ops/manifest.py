@@ -86,6 +86,9 @@ class LaunchConfig:
     # each KV tile over a 2-CTA cluster by TMA multicast in split grids too large to run at once; None = the
     # family's default
     kv_multicast: bool | None = None
+    # cute_sm90's seesaw schedules (16-bit seesaw, fp8 design C): a row's running max moves only when a tile's max
+    # exceeds it by more than this (log2 units, 0..8), which skips most O rescales; None = the family's default
+    max_slack: float | None = None
 
     def __post_init__(self):
         if self.split_plan not in SPLIT_PLANS:
@@ -101,6 +104,9 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig: l2_prefetch must be in 0..{MAX_L2_PREFETCH}, got {self.l2_prefetch}")
         if self.kv_multicast is not None and not isinstance(self.kv_multicast, bool):
             raise ValueError(f"LaunchConfig: kv_multicast must be True, False or None, got {self.kv_multicast!r}")
+        if self.max_slack is not None and not (isinstance(self.max_slack, (int, float))
+                                               and 0 <= self.max_slack <= 8):
+            raise ValueError(f"LaunchConfig: max_slack must be a number in 0..8 or None, got {self.max_slack!r}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:
@@ -145,6 +151,8 @@ class LaunchConfig:
             parts.append(f"l2-prefetch {self.l2_prefetch}")
         if self.kv_multicast is not None:
             parts.append("kv-multicast" if self.kv_multicast else "no-kv-multicast")
+        if self.max_slack is not None:
+            parts.append(f"slack {self.max_slack:g}")
         if not self.fused_combine:
             parts.append("no-fused-combine")
         elif self.last_cta_combine != "eager":

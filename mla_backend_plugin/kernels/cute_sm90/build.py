@@ -19,8 +19,10 @@ from mla_backend_plugin.kernels.cute_common import sass as sass_tools
 from mla_backend_plugin.kernels.cute_common.aot import build_in_pool
 from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import (
+    FP8_SEESAW_MAX_SLACK,
     SEESAW_KV_MULTICAST_BLOCK_SIZES,
     SEESAW_L2_PREFETCH,
+    SEESAW_MAX_SLACK,
     PlanVariant,
     Variant,
     multicast_fits,
@@ -51,8 +53,8 @@ def serving_variants() -> list[Variant]:
     # head count at q_len 1 (a deployment's decode shape) and 2 (MTP with one draft token, DeepSeek's own); q_len 3-4
     # compile on first use (~11-20 s each on CI's cores, where the whole every-variant compile is the longest phase:
     # 22 shapes put CI at 30.5 min; vLLM installs the DSL)
-    out += [Variant("fp8", "fp8", "bf16", h, q, 64, True, True, fp8_mma=True, fp8_seesaw=True)
-            for h in (16, 32, 64, 128) for q in (1, 2)]
+    out += [Variant("fp8", "fp8", "bf16", h, q, 64, True, True, fp8_mma=True, fp8_seesaw=True,
+                    max_slack=FP8_SEESAW_MAX_SLACK) for h in (16, 32, 64, 128) for q in (1, 2)]
     # the lock-step schedule of 16-bit caches (CUTE_MLA_SM90_SCHEDULE=lockstep) at one shape: its code is design A's
     out += [Variant("bf16", "bf16", "bf16", 128, 1, 64, False, False, schedule="lockstep")]
     # per-row key counts: decode context parallelism with MTP, 128 heads per kernel call (e.g. TP8 x DCP8), and
@@ -61,8 +63,8 @@ def serving_variants() -> list[Variant]:
     out += [Variant(kv, q_dtype, "bf16", h, q, 64, q_dtype == "fp8", kv == "fp8", fp8_mma=mma, row_kv_lens=True)
             for (kv, q_dtype, mma), (h, q) in itertools.product(rows, ((128, 2), (128, 4), (16, 4), (32, 2)))]
     # the 16-bit seesaw with the L2 prefetch distance a default config runs (launch.l2_prefetch_for)
-    out = [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH) if v.kv_dtype != "fp8" and v.schedule == "seesaw"
-           else v for v in out]
+    out = [dataclasses.replace(v, l2_prefetch=SEESAW_L2_PREFETCH, max_slack=SEESAW_MAX_SLACK)
+           if v.kv_dtype != "fp8" and v.schedule == "seesaw" else v for v in out]
     # and, where its m-blocks pair up at a page size the default multicasts, its KV-multicast twin: what the same
     # shape runs in split grids too large to run at once (launch.kv_multicast_for; ~10 s each on CI's cores)
     return out + [dataclasses.replace(v, kv_multicast=True) for v in out

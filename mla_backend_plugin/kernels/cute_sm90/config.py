@@ -46,6 +46,21 @@ SEESAW_L2_PREFETCH = 1
 # S >= 4096 (q_len 1), 0.92-0.96x at S = 32768 (q_len 2), within noise elsewhere, but +4% at q_len 2 B=8 S <= 4096
 # (few tiles per CTA) and +3-8% with 16-token pages (+0-2% with 128-token pages) at B 64-256
 KV_CLUSTER = 2
+# The seesaw schedules (16-bit and fp8 design C): a row's running max moves only when a tile's max exceeds it by
+# more than the variant's max_slack (log2 units; kernel.py ``moved_max``), so P = exp2(s - m) reaches up to
+# 2^max_slack and the O^T / O rescale (128 multiplies per thread on the consumers' critical path, skipped when no
+# row of the warp moved) is skipped on most tiles. Design C stores P as e4m3(P x p_scale_for(slack)) <= 448. The
+# cost: a row's largest P is no longer exactly 1 (exact in e4m3), so its rounding error reaches the output.
+# Default for design C (nvidia-h200, 2026-11-29; docs/perf/cute_sm90_fp8.md "The running max's slack"): 0.8, the
+# most that keeps P's scale at 256; the 16-bit seesaw keeps 0 (not measured to pay).
+MAX_SLACK = 8.0
+# design C: the slack applies from this pair of a split on (its first 2 x 8 tiles = 1024 keys keep the exact max:
+# the max moves on most of them anyway, and a 1k-token split keeps its accuracy)
+MAX_SLACK_FROM_PAIR = 8
+FP8_SEESAW_MAX_SLACK = 0.8
+SEESAW_MAX_SLACK = 0.0
+P_SCALE_FP8 = 256.0  # design B and C store P as e4m3(P x 256): probabilities down to 2^-14 stay normal
+E4M3_MAX = 448.0
 SEESAW_KV_MULTICAST = True
 SEESAW_KV_MULTICAST_MIN_BATCH = 32
 SEESAW_KV_MULTICAST_BLOCK_SIZES = (64,)
@@ -80,6 +95,8 @@ class Variant(CuteVariant):
     # 16-bit caches, seesaw schedule, an even m-block count: clusters of KV_CLUSTER m-block CTAs share each KV tile
     # by TMA multicast
     kv_multicast: bool = False
+    # the seesaw schedules (16-bit, design C): the running max's slack in log2 units (MAX_SLACK above)
+    max_slack: float = 0.0
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -92,6 +109,12 @@ class Variant(CuteVariant):
         if self.l2_prefetch and self.schedule != "seesaw":
             raise ValueError(f"l2_prefetch={self.l2_prefetch} is the 16-bit seesaw kernel's; schedule "
                              f"{self.schedule!r}, kv_dtype {self.kv_dtype!r} (allowed: 0 there)")
+        if self.max_slack and not (self.fp8_seesaw or (self.kv_dtype != "fp8" and self.schedule == "seesaw")):
+            raise ValueError(f"max_slack={self.max_slack} is the seesaw schedules' (16-bit seesaw, fp8 design C); "
+                             f"schedule {self.schedule!r}, kv_dtype {self.kv_dtype!r}, fp8_seesaw {self.fp8_seesaw} "
+                             f"(allowed: 0 there)")
+        if not 0.0 <= self.max_slack <= MAX_SLACK:
+            raise ValueError(f"max_slack must be in 0..{MAX_SLACK}, got {self.max_slack}")
         if self.kv_multicast and not multicast_fits(self):
             raise ValueError(f"kv_multicast is the 16-bit seesaw kernel's with an m-block count divisible by "
                              f"{KV_CLUSTER}; schedule {self.schedule!r}, kv_dtype {self.kv_dtype!r}, "
@@ -109,7 +132,17 @@ class Variant(CuteVariant):
         schedule = f" {self.schedule}" if self.kv_dtype != "fp8" and self.schedule != "seesaw" else ""
         l2 = f" l2pf{self.l2_prefetch}" if self.l2_prefetch else ""
         mc = f" mc{KV_CLUSTER}" if self.kv_multicast else ""
-        return f"{design}{rows}{schedule}{l2}{mc}"
+        slack = f" slack{self.max_slack:g}" if self.max_slack else ""
+        return f"{design}{rows}{schedule}{l2}{mc}{slack}"
+
+
+def p_scale_for(max_slack: float) -> float:
+    """Design C's scale of P in e4m3: 256 while 256 x 2^max_slack fits e4m3, else the largest power of two that
+    keeps P's largest value, 2^max_slack, at or below 448."""
+    scale = P_SCALE_FP8
+    while scale * 2.0 ** max_slack > E4M3_MAX:
+        scale /= 2.0
+    return scale
 
 
 def multicast_fits(variant: Variant) -> bool:

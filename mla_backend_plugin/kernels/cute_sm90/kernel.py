@@ -89,6 +89,19 @@ def exp_base(m):
 
 
 @cute.jit
+def moved_max(m, tile_max, slack):
+    """A row's running max after a tile whose max is ``tile_max``: max(m, tile_max), but with a ``slack`` > 0 (log2
+    units; a Python 0.0 compiles the plain max, a runtime value may be 0) ``m`` stays unless the tile's max exceeds
+    it by more than ``slack`` (then P = exp2(s - m) reaches at most 2^slack and the O rescale is skipped on most
+    tiles: config.MAX_SLACK). -inf (no key yet) always moves to a finite tile max."""
+    new = cute.arch.fmax(m, tile_max)
+    if cutlass.const_expr(not (isinstance(slack, float) and slack == 0.0)):
+        if tile_max <= m + slack:
+            new = m
+    return new
+
+
+@cute.jit
 def scale_mask_max(acc_s, tScS, row_scale, row_limit, tile_start, m_loc):
     """S x the row's scale, in place; keys at or past the row's limit become -inf (a NaN read there too); m_loc
     (per row half, in and out) takes the maxima of this thread's values. (A branch without the compare for

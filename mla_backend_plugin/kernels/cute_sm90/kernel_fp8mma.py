@@ -39,14 +39,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from mla_backend_plugin.kernels.cute_common.barriers import MbarrierRing, consumer_barrier
 from mla_backend_plugin.kernels.cute_common.compat import LayoutEnum, SmemAllocator
 from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
-from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, Variant
+from mla_backend_plugin.kernels.cute_sm90.config import BLOCK_M, BLOCK_N, NUM_THREADS, P_SCALE_FP8, Variant
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS, Sm90MlaDecode
 
 F8 = cutlass.Float8E4M3FN
 STAGES = 2  # K and V^T rings (a third K stage, in the room a one-part Q leaves, was slower: docs/perf/cute_sm90_fp8.md)
 REGS_CONSUMER_B = 216
 REGS_PRODUCER_B = 72  # 2 x 216 + 72 = 504 = 65536 / 384 rounded down to 8: setmaxnreg.inc waits forever past that
-P_SCALE = 256.0  # P is stored as e4m3(P * 256): probabilities down to 2^-14 stay normal
+P_SCALE = P_SCALE_FP8  # P is stored as e4m3(P * 256): probabilities down to 2^-14 stay normal
 Q_FP8_TARGET = 448.0  # per-row q scale: max |q_row| -> 448 (e4m3 max)
 K_STAGE_BYTES = BLOCK_N * D_QK  # 36864
 VT_STAGE_BYTES = D_NOPE * BLOCK_N  # 32768

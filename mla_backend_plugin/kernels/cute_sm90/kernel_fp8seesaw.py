@@ -64,10 +64,12 @@ from mla_backend_plugin.kernels.cute_common.epilogue import load_scales
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    MAX_SLACK_FROM_PAIR,
     NUM_THREADS,
     REGS_CONSUMER_C,
     REGS_PRODUCER_C,
     STAGES_C,
+    p_scale_for,
 )
 from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
     CHUNK_BYTES,
@@ -86,7 +88,6 @@ from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS
 from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
     F8,
     K_STAGE_BYTES,
-    P_SCALE,
     Sm90MlaDecodeFp8Mma,
     _prmt,
 )
@@ -156,6 +157,26 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     right_running_max = Sm90MlaDecodeSeesaw.right_running_max
     left_factor_to_right_max = Sm90MlaDecodeSeesaw.left_factor_to_right_max
     exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
+
+    @property
+    def max_slack(self) -> float:
+        """The running max's slack (config.MAX_SLACK): P reaches 2^max_slack, stored as e4m3(P x p_scale)."""
+        return self.v.max_slack
+
+    @property
+    def p_scale(self) -> float:
+        return p_scale_for(self.v.max_slack)
+
+    @cute.jit
+    def slack_at(self, i):
+        """The running max's slack at pair ``i`` of a split: none over its first MAX_SLACK_FROM_PAIR pairs (there the
+        max still moves on most tiles and a short split keeps every row's largest P exact), then max_slack."""
+        if cutlass.const_expr(self.v.max_slack == 0.0):
+            return 0.0
+        slack = cutlass.Float32(0.0)
+        if i >= MAX_SLACK_FROM_PAIR:
+            slack = cutlass.Float32(self.v.max_slack)
+        return slack
 
     # ------------------------------------------------------------------------------------------------
     # host side
@@ -401,9 +422,9 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         # this thread stores them together with no shuffle (p_word_values); 8 STS.32 instead of 16 STS.U16
         for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
             vals = p_word_values(w)
-            f = P_SCALE
+            f = self.p_scale
             if cutlass.const_expr(scaled):
-                f = factor[(vals[0] >> 1) & 1] * P_SCALE
+                f = factor[(vals[0] >> 1) & 1] * self.p_scale
             xor, imm = p_value_terms(vals[0])
             _st_e4m3x4(base, xor, imm, *(acc_s[v] * f for v in vals))
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -484,7 +505,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # retires, and the right group overwrites sP1 once m_a below lets it go on
                 warpgroup.wait_group(0)
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
-                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
+                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane, self.slack_at(i))
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
                 # its P_B while this group computes P_A
                 rings.m_a.arrive(i)
@@ -521,7 +542,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 warpgroup.wait_group(0)  # S_B (issued during the previous pair) and the previous P_B V_B (its sP1)
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 rings.m_a.wait_filled(i)
-                self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b)
+                self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b,
+                                       self.slack_at(i))
                 self.post_rows(sAlpha, RIGHT_TO_A, tScS, to_a, lane)
                 self.post_rows(sAlpha, RIGHT_TO_B, tScS, to_b, lane)
                 rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
@@ -552,7 +574,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         column: ``latent_of_row``), then the common 16-byte stores."""
         lane = ctid % 32
         consumer_barrier()  # every thread is past its last read of the factor exchange
-        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sAlpha, grp, lane, kscale, 1.0 / P_SCALE,
+        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sAlpha, grp, lane, kscale, 1.0 / self.p_scale,
                                          n_splits)
         if grp == 0:
             self.post_rows(sAlpha, RIGHT_TO_A, tScS, inv, lane)

@@ -53,6 +53,7 @@ from mla_backend_plugin.kernels.cute_sm90.kernel import (
     K_CHUNKS,
     Sm90MlaDecode,
     exp_base,
+    moved_max,
     scale_mask_max,
 )
 
@@ -386,7 +387,7 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
                 m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane)
+                self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane, self.v.max_slack)
                 self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
                 self.rescale_o(acc_o, alpha)
                 self.issue_pv(pv_rs_mma, acc_o, r_p, tOrVrs, 0, True)
@@ -456,11 +457,13 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
     # register tensors it is given (in place: what a nested jit call can hand back besides its return value).
 
     @cute.jit
-    def left_running_max(self, sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane):
+    def left_running_max(self, sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane, slack=0.0):
         """The left group, after its S: ``m_a`` holds its tile's row maxima and becomes m_A = max(running max,
-        them), posted to ``sMaxA``; ``m_use`` its exp base, ``alpha`` the rescale of its O and l."""
+        them), posted to ``sMaxA``; ``m_use`` its exp base, ``alpha`` the rescale of its O and l. ``slack`` > 0
+        (log2 units): the running max stays where it is unless the tile's exceeds it by more than ``slack``
+        (``moved_max``), so P may reach 2^slack and most tiles need no rescale."""
         for half in cutlass.range_constexpr(2):
-            m = cute.arch.fmax(row_max[half], m_a[half])
+            m = moved_max(row_max[half], m_a[half], slack)
             m_a[half] = m
             m_use[half] = exp_base(m)
             alpha[half] = cute.math.exp2(row_max[half] - m_use[half], fastmath=True)
@@ -475,7 +478,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         (old max -> m_A -> m_B), computed from the same values."""
         alpha = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         m_use = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane)
+        self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane,
+                               slack=self.v.max_slack)
         consumer_sync(Sm90DecodeBarrier.SCALE_B)
         self.exp_and_sum(acc_s, r_p, row_sum, alpha, m_use)
         cute.autovec_copy(r_p, tSsP)
@@ -483,14 +487,15 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         self.rescale_o(acc_o, alpha)
 
     @cute.jit
-    def right_running_max(self, sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a=None, to_b=None):
+    def right_running_max(self, sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a=None, to_b=None,
+                          slack=0.0):
         """The right group, after ``SCALE_A``: m_B = max(m_A, its tile max) posted to ``sMaxB`` and kept as the
         running max (``row_max``); ``m_use`` its exp base, ``alpha`` the rescale of its O and l by the left
         group's two factors (old max -> m_A -> m_B), also given one by one when ``to_a`` / ``to_b`` are."""
         for half in cutlass.range_constexpr(2):
             after_a = sMaxA[(i % 2) * BLOCK_M + tScS[2 * half][0]]
             mu_a = exp_base(after_a)
-            m = cute.arch.fmax(after_a, tile_max[half])
+            m = moved_max(after_a, tile_max[half], slack)
             mu_b = exp_base(m)
             if lane % 4 == 0:
                 sMaxB[(i % 2) * BLOCK_M + tScS[2 * half][0]] = m

@@ -32,10 +32,12 @@ from mla_backend_plugin.kernels.cute_sm90 import MANIFEST
 from mla_backend_plugin.kernels.cute_sm90.config import (
     BLOCK_M,
     BLOCK_N,
+    FP8_SEESAW_MAX_SLACK,
     SEESAW_KV_MULTICAST,
     SEESAW_KV_MULTICAST_BLOCK_SIZES,
     SEESAW_KV_MULTICAST_MIN_BATCH,
     SEESAW_L2_PREFETCH,
+    SEESAW_MAX_SLACK,
     PlanVariant,
     Variant,
     m_blocks,
@@ -164,13 +166,26 @@ def plan_tile(num_heads: int, smem_per_block, config) -> PlanTile:
 def variant_for(args, config: LaunchConfig, kv_multicast: bool = False) -> Variant:
     design = config.fp8_design or "fp8mma"
     fp8_mma = args.kv_dtype == FP8_DTYPE and design in ("fp8mma", "fp8seesaw")
+    fp8_seesaw = args.kv_dtype == FP8_DTYPE and design == "fp8seesaw"
+    schedule = schedule_for(args, config)
     return Variant(kv_dtype=DTYPE_NAMES[args.kv_dtype], q_dtype=DTYPE_NAMES[args.q_dtype],
                    out_dtype=DTYPE_NAMES[args.out.dtype], num_heads=args.num_heads, q_len=args.q_len,
                    block_size=args.block_size, q_scale_is_ptr=isinstance(args.q_scale, torch.Tensor),
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
-                   fp8_seesaw=args.kv_dtype == FP8_DTYPE and design == "fp8seesaw",
-                   row_kv_lens=args.row_kv_lens is not None, schedule=schedule_for(args, config),
-                   l2_prefetch=l2_prefetch_for(args, config), kv_multicast=kv_multicast)
+                   fp8_seesaw=fp8_seesaw, row_kv_lens=args.row_kv_lens is not None, schedule=schedule,
+                   l2_prefetch=l2_prefetch_for(args, config), kv_multicast=kv_multicast,
+                   max_slack=max_slack_for(fp8_seesaw, args.kv_dtype != FP8_DTYPE and schedule == "seesaw",
+                                           config))
+
+
+def max_slack_for(fp8_seesaw: bool, seesaw16: bool, config: LaunchConfig) -> float:
+    """The running max's slack of a seesaw kernel (design C, the 16-bit seesaw): the config's, else the family's
+    default for that kernel; 0 for the other kernels (they have none)."""
+    if not (fp8_seesaw or seesaw16):
+        return 0.0
+    if config.max_slack is not None:
+        return float(config.max_slack)
+    return FP8_SEESAW_MAX_SLACK if fp8_seesaw else SEESAW_MAX_SLACK
 
 
 def may_multicast(args, config: LaunchConfig) -> bool:
