@@ -54,9 +54,10 @@ def main(kernel: str) -> None:
         assert_close_decode(out, lse, ref_out, ref_lse, torch.bfloat16, msg="sanitizer case last-CTA combine")
         # fp8 design C at the serving shape (128 heads, an fp8 q, q_len 2): its consumer groups meet through
         # mbarriers of 128 arrivals and 256-thread named barriers; a 128-thread named barrier here once drew
-        # racecheck hazard reports (kernel_fp8seesaw.py)
+        # racecheck hazard reports (kernel_fp8seesaw.py); rows past 1024 keys so its running max's slack (from a
+        # split's ninth tile pair) runs too
         os.environ["CUTE_MLA_FUSED_COMBINE"] = "1"
-        lens = [700, 635, 617]
+        lens = [1500, 1335, 1217]
         inp = make_decode_inputs(3, lens, 2, 128, 64, FP8_DTYPE, "fp8", "cuda", 14, kv_scale=3.0)
         ws = MLAWorkspace("cuda", max_batch=3, max_q_len=2, num_heads=128)
         out, lse = inp.poisoned_outputs()

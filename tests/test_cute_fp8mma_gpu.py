@@ -40,6 +40,19 @@ CASES = [
 ]
 
 
+def decode_and_check(inp, ws, dtype, msg, kernel="cute_sm90", scales=(False, False), **call):
+    """One mla_decode of ``inp`` into NaN-poisoned outputs, checked against the float32 reference."""
+    from mla_backend_plugin.ops import mla_decode
+
+    out, lse = inp.poisoned_outputs()
+    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel=kernel, workspace=ws,
+               **call, **inp.scale_kwargs(scales))
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    ref_out, ref_lse = inp.reference()
+    assert_close_decode(out, lse, ref_out, ref_lse, dtype, msg=msg)
+
+
 def q_form_for(design: str, q_form: str) -> str:
     """Design C takes an fp8 q only: it runs each case with the q quantised to e4m3 (``"fp8"``)."""
     return "fp8" if design == "fp8seesaw" else q_form
@@ -47,34 +60,24 @@ def q_form_for(design: str, q_form: str) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-S{c[1]}-q{c[2]}-h{c[3]}-bs{c[4]}-{c[5]}")
 def test_fp8_designs_match_reference(design, case):
-    from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+    from mla_backend_plugin.ops import MLAWorkspace
 
     B, S, ql, H, bs, q_form, q_scale, kv_scale, kv_t = case
     lens = draw_seq_lens(B, S, block_size=bs, seed=B * 7 + ql)  # one length exactly S, one odd
     q_form = q_form_for(design, q_form)
     inp = make_decode_inputs(B, lens, ql, H, bs, FP8, q_form, "cuda", 11 + B, q_scale=q_scale, kv_scale=kv_scale)
     ws = MLAWorkspace("cuda", max_batch=B, max_q_len=ql, num_heads=H)
-    out, lse = inp.poisoned_outputs()
-    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
-               workspace=ws, fp8_design=design, **inp.scale_kwargs((False, kv_t)))
-    torch.cuda.synchronize()
-    ref_out, ref_lse = inp.reference()
-    assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"{design} {case} lens={lens}")
+    decode_and_check(inp, ws, FP8, f"{design} {case} lens={lens}", scales=(False, kv_t), fp8_design=design)
 
 
 def test_fp8_designs_short_and_ragged_lengths(design):
     """Lengths below, at and just past one 64-key tile, and below q_len (rows that see no key)."""
-    from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+    from mla_backend_plugin.ops import MLAWorkspace
 
     lens = [1, 63, 64, 65, 130]
     inp = make_decode_inputs(len(lens), lens, 2, 128, 64, FP8, q_form_for(design, "pair"), "cuda", 5, kv_scale=0.5)
     ws = MLAWorkspace("cuda", max_batch=len(lens), max_q_len=2, num_heads=128)
-    out, lse = inp.poisoned_outputs()
-    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
-               workspace=ws, fp8_design=design, **inp.scale_kwargs(False))
-    torch.cuda.synchronize()
-    ref_out, ref_lse = inp.reference()
-    assert_close_decode(out, lse, ref_out, ref_lse, FP8, msg=f"{design} lens={lens}")
+    decode_and_check(inp, ws, FP8, f"{design} lens={lens}", fp8_design=design)
 
 
 @pytest.mark.parametrize("heads,lens_around,bs", [(128, 3000, 64), (16, 1500, 32)])
@@ -127,7 +130,7 @@ def test_seesaw_max_slack_matches_reference(kv, slack):
     reason = kernel_unsupported_reason("cute_sm90")
     if reason is not None:
         pytest.skip(f"cute_sm90: {reason}")
-    from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+    from mla_backend_plugin.ops import MLAWorkspace
     from mla_backend_plugin.ops.manifest import LaunchConfig
 
     dtype = FP8 if kv == "fp8" else torch.bfloat16
@@ -136,9 +139,4 @@ def test_seesaw_max_slack_matches_reference(kv, slack):
                              kv_scale=1.5 if kv == "fp8" else None)
     ws = MLAWorkspace("cuda", max_batch=3, max_q_len=2, num_heads=128)
     config = LaunchConfig(fp8_design="fp8seesaw" if kv == "fp8" else None, max_slack=slack)
-    out, lse = inp.poisoned_outputs()
-    mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
-               workspace=ws, config=config, **inp.scale_kwargs(False))
-    torch.cuda.synchronize()
-    ref_out, ref_lse = inp.reference()
-    assert_close_decode(out, lse, ref_out, ref_lse, dtype, msg=f"{kv} slack {slack} lens={lens}")
+    decode_and_check(inp, ws, dtype, f"{kv} slack {slack} lens={lens}", config=config)

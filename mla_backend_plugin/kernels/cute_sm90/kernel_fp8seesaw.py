@@ -94,6 +94,8 @@ from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
 from mla_backend_plugin.kernels.cute_sm90.kernel_seesaw import Sm90MlaDecodeSeesaw
 from mla_backend_plugin.ops.constants import WORK_ITEM_INTS
 
+# tiles the producer issues before the consumers' Q has landed (produce_c)
+Q_FIRST_TILES = 1
 K_STEPS = D_QK // 32  # k-steps of S = Q K^T (m64n64k32)
 ROPE_STEP = (K_CHUNKS - 1) * 2  # the rope chunk's two k-steps take Q from registers
 PV_STEPS = BLOCK_N // 32
@@ -147,6 +149,7 @@ class KRings:
     m_b: MbarrierRing
     pa_free: MbarrierRing
     left_p: MbarrierRing  # the left group's 128 threads wrote P_A and its row factors -> its P_A V_A
+    q_ready: MbarrierRing  # the consumers' Q loads landed (one arrival): the producer's first-tiles gate
 
 
 class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
@@ -210,8 +213,9 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
         @cute.struct
         class SharedStorage:
-            # full[STAGES_C] (TMA bytes), empty[STAGES_C] (8 consumer warps), then m_a, m_b, pa_free (KRings)
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 4]
+            # full[STAGES_C] (TMA bytes), empty[STAGES_C] (8 consumer warps), then m_a, m_b, pa_free, left_p,
+            # q_ready (KRings)
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 5]
             max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             alpha: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
@@ -258,9 +262,10 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8),
                        m_a=MbarrierRing(bars + 2 * STAGES_C, 1, 128), m_b=MbarrierRing(bars + 2 * STAGES_C + 1, 1, 128),
                        pa_free=MbarrierRing(bars + 2 * STAGES_C + 2, 1, 128),
-                       left_p=MbarrierRing(bars + 2 * STAGES_C + 3, 1, 128))
+                       left_p=MbarrierRing(bars + 2 * STAGES_C + 3, 1, 128),
+                       q_ready=MbarrierRing(bars + 2 * STAGES_C + 4, 1, 1))
         if tidx == 0:
-            for ring in (rings.full_k, rings.empty_k, rings.m_a, rings.m_b, rings.pa_free, rings.left_p):
+            for ring in (rings.full_k, rings.empty_k, rings.m_a, rings.m_b, rings.pa_free, rings.left_p, rings.q_ready):
                 ring.init()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -297,10 +302,15 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def produce_c(self, tma_atom, tma_tensor, sK, rings, mKV, mBT, b, kv_start, kv_end, n_pairs):
-        """Warp 0: the pairs' tiles in order into the ring (design B's ``issue_tma``)."""
+        """Warp 0: the pairs' tiles in order into the ring (design B's ``issue_tma``). Tile 0 goes out at once, the
+        rest once the consumers' Q loads have landed (``q_ready``): every CTA of a wave starts together, and a
+        ring's worth of tiles from each (5 x 36 KB x 132 CTAs, ~5.5 us of HBM) issued beside the Q loads delayed Q,
+        and with it the first S, by as much (per-CTA timestamps, docs/perf/cute_sm90_fp8.md)."""
         tKs, tKg = self.tma_partitions(tma_atom, tma_tensor, sK)
         num_blocks = mKV.shape[0]
         for j in cutlass.range(2 * n_pairs, unroll=1):
+            if j == Q_FIRST_TILES:
+                rings.q_ready.wait_filled(0)
             self.issue_tma(tma_atom, tKg, tKs, rings, mBT, num_blocks, b, kv_start, kv_end, j)
 
     @cute.jit
@@ -465,6 +475,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         qk_rs_mma.set(warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         self.load_q(sQ, sAlpha, mQn, mQp, b, mblk, ctid)  # (an fp8 q has no per-row scale: sAlpha gets 1s)
+        if ctid == 0:  # after load_q's consumer barrier: every consumer's Q has landed
+            rings.q_ready.arrive(0)
         qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
                                      mKVScale)
         scale_log2 = sm_scale_log2 * qscale * kscale
