@@ -339,13 +339,11 @@ class Sm90MlaDecode:
     def tma_slice(self, tma_atom, tKg, tKs, page, tok, p, stage, bar, c0: cutlass.Constexpr,
                   c1: cutlass.Constexpr, rank=0):
         row_box = (tok % self.v.block_size) // self.box_rows
+        # with the KV multicast, CTA ``rank`` of the cluster loads every KV_CLUSTER-th chunk into all of its CTAs
+        mcast = {"mcast_mask": cutlass.Int16((1 << KV_CLUSTER) - 1)} if self.v.kv_multicast else {}
         for c in cutlass.range_constexpr(c0, c1):
-            if cutlass.const_expr(self.v.kv_multicast):
-                if rank == c % KV_CLUSTER:
-                    cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar,
-                              mcast_mask=cutlass.Int16((1 << KV_CLUSTER) - 1))
-            else:
-                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar)
+            if cutlass.const_expr(not self.v.kv_multicast) or rank == c % KV_CLUSTER:
+                cute.copy(tma_atom, tKg[(None, row_box, c, page)], tKs[(None, p, c, stage)], tma_bar_ptr=bar, **mcast)
 
     @cute.jit
     def produce_fp8(self, kv_producer, sKV, mKV, mBT, b, kv_start, kv_end, n_tiles, tidx):

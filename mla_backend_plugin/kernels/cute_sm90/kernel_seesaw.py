@@ -315,6 +315,8 @@ class Sm90MlaDecodeSeesaw(Sm90MlaDecode):
         the warp also arrives at the peer CTA's barrier (``peer``: its rank; the ring counts 16), unless this is
         the split's last pair (``more`` false): no producer waits for that release, and skipping it is what lets
         either CTA exit without waiting for the other (no remote arrive can reach a CTA that has left)."""
+        # two flat ``lane == 0`` tests, not one nested under the other: the nested form made ptxas serialise every
+        # wgmma of the kernel (docs/perf/cute_sm90_bf16.md, the KV multicast)
         if lane == 0:
             ring.arrive(use)
         if cutlass.const_expr(self.v.kv_multicast):
