@@ -162,12 +162,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
 
     @property
-    def max_slack(self) -> float:
-        """The running max's slack (config.MAX_SLACK): P reaches 2^max_slack, stored as e4m3(P x p_scale)."""
-        return self.v.max_slack
-
-    @property
     def p_scale(self) -> float:
+        """P's e4m3 scale for the variant's running-max slack (config.MAX_SLACK: P reaches 2^max_slack)."""
         return p_scale_for(self.v.max_slack)
 
     @cute.jit
