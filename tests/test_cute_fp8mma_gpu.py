@@ -122,17 +122,23 @@ def test_auto_runs_design_c_from_its_min_batch_eager_and_in_graphs(heads, lens_a
 
 
 @pytest.mark.parametrize("kv,slack", [("fp8", 0.0), ("fp8", 2.8), ("fp8", 8.0), ("bf16", 8.0)])
-def test_seesaw_max_slack_matches_reference(kv, slack):
+def test_seesaw_max_slack_matches_reference(kv, slack, monkeypatch):
     """The running max's slack (config.MAX_SLACK; design C's default is FP8_SEESAW_MAX_SLACK, run by every design C
     case above): a row's max moves only when a tile's exceeds it by more than ``slack``, so P reaches 2^slack
     (design C: e4m3(P x p_scale_for(slack))). Long ragged rows (many tiles past the first max, so most keep the
-    old max), 128 heads at q_len 2, NaN in every unread slot, outputs poisoned; design C and the 16-bit seesaw."""
+    old max), 128 heads at q_len 2, NaN in every unread slot, outputs poisoned; design C and the 16-bit seesaw.
+    Fails too if the launched binary is not the asked slack's."""
     reason = kernel_unsupported_reason("cute_sm90")
     if reason is not None:
         pytest.skip(f"cute_sm90: {reason}")
+    from mla_backend_plugin.kernels.cute_sm90 import launch
     from mla_backend_plugin.ops import MLAWorkspace
     from mla_backend_plugin.ops.manifest import LaunchConfig
 
+    launched = []
+    compiled = launch._compiled
+    monkeypatch.setattr(launch, "_compiled", lambda variant, pdl: launched.append(getattr(variant, "max_slack", None))
+                        or compiled(variant, pdl))
     dtype = FP8 if kv == "fp8" else torch.bfloat16
     lens = draw_seq_lens(3, 5000, block_size=64, seed=int(slack * 10))
     inp = make_decode_inputs(3, lens, 2, 128, 64, dtype, "fp8" if kv == "fp8" else "pair", "cuda", 17,
@@ -140,3 +146,4 @@ def test_seesaw_max_slack_matches_reference(kv, slack):
     ws = MLAWorkspace("cuda", max_batch=3, max_q_len=2, num_heads=128)
     config = LaunchConfig(fp8_design="fp8seesaw" if kv == "fp8" else None, max_slack=slack)
     decode_and_check(inp, ws, dtype, f"{kv} slack {slack} lens={lens}", config=config)
+    assert slack in launched, (slack, launched)
