@@ -195,6 +195,26 @@ def test_accumulator_layouts_are_the_kernels(tmp_path):
         assert lay.ot_column_index(v) == 2 * (n // 8) + n % 2
 
 
+def test_epilogue_stage_offsets_are_the_accumulators_coordinates():
+    """The epilogue's staging addresses (``stage_thread_base`` + ``stage_value_offset``) put each O^T value at its
+    (query row, latent column) of ``ot_value_coord`` and ``latent_of_row``, and values v, v + 2 (v & 2 == 0) at
+    adjacent columns of one row (its 4-byte stores); every element of a group's 64 x 256 half is written once."""
+    from mla_backend_plugin.kernels.cute_sm90.config import STAGE_ROW
+
+    seen = set()
+    for warp in range(4):
+        for lane in range(32):
+            base = lay.stage_thread_base(lane, warp, STAGE_ROW)
+            for v in range(128):
+                m, n = lay.ot_value_coord(lane, warp, v)
+                at = base + lay.stage_value_offset(v, STAGE_ROW)
+                assert at == n * STAGE_ROW + lay.latent_of_row(m), (lane, warp, v)
+                if v & 2 == 0:
+                    assert base + lay.stage_value_offset(v + 2, STAGE_ROW) == at + 1
+                seen.add(at)
+    assert seen == {n * STAGE_ROW + c for n in range(64) for c in range(256)}
+
+
 def test_fp8seesaw_with_a_16_bit_q_is_refused_by_name():
     import torch
 
@@ -256,8 +276,8 @@ def test_auto_takes_design_c_for_an_fp8_q_from_fp8_seesaw_min_batch(monkeypatch)
 
     monkeypatch.setenv("CUTE_MLA_FP8_DESIGN", "auto")
     fp8 = torch.float8_e4m3fn
-    assert FP8_SEESAW_MIN_BATCH == 16
-    assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=fp8)) for b in (1, 2, 15, 16, 256)] == [
+    assert FP8_SEESAW_MIN_BATCH == 8
+    assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=fp8)) for b in (1, 2, 7, 8, 256)] == [
         "fp8mma", "fp8mma", "fp8mma", "fp8seesaw", "fp8seesaw"]
     assert [fp8_design_for(SimpleNamespace(batch=b, q_dtype=torch.bfloat16)) for b in (2, 3, 32, 256)] == [
         "dequant", "fp8mma", "fp8mma", "fp8mma"]

@@ -171,10 +171,11 @@ def m_blocks(num_heads: int, q_len: int) -> int:
 def shared_bytes(variant: Variant | None = None) -> int:
     """Dynamic shared memory of one CTA: mbarriers and the two groups' exchanged row statistics (padded to the
     1 KB swizzle alignment), P, Q, the KV ring. Design A stages 16-bit tiles (fp8 caches widened on the way
-    in); design B keeps P, Q (hi and lo, unless q is fp8) and the KV tiles in e4m3 plus a V^T ring; design C two P^T
-    tile (a 3 KB first part: four rows of row factors), Q and STAGES_C K tiles in e4m3."""
+    in); design B keeps P, Q (hi and lo, unless q is fp8) and the KV tiles in e4m3 plus a V^T ring; design C a P_A^T
+    tile (after a 3 KB first part: six rows of row factors), Q, a second P_B^T tile (the first is Q's rope chunk)
+    and STAGES_C K tiles in e4m3: 232,448 bytes, sm_90's opt-in maximum per block."""
     if variant is not None and variant.fp8_seesaw:
-        return 3072 + BLOCK_M * BLOCK_N + BLOCK_M * 576 + STAGES_C * BLOCK_N * 576
+        return 3072 + 2 * BLOCK_M * BLOCK_N + BLOCK_M * 576 + STAGES_C * BLOCK_N * 576
     if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma:
         q_parts = 1 if variant.q_dtype == "fp8" else 2
         return 2048 + BLOCK_M * BLOCK_N + q_parts * BLOCK_M * 576 + KV_STAGES * BLOCK_N * (576 + 512)
@@ -185,7 +186,7 @@ def epilogue_stage_room(variant: Variant | None = None) -> int:
     """Bytes from the start of Q's buffer to the end of the CTA's shared memory (Q, then the KV ring(s), in
     every design's layout): where the epilogue stages its tile."""
     if variant is not None and variant.fp8_seesaw:
-        return BLOCK_M * 576 + STAGES_C * BLOCK_N * 576
+        return BLOCK_M * 576 + BLOCK_M * BLOCK_N + STAGES_C * BLOCK_N * 576
     p_bytes = BLOCK_M * BLOCK_N * (1 if variant is not None and variant.kv_dtype == "fp8" and variant.fp8_mma else 2)
     return shared_bytes(variant) - 2048 - p_bytes
 

@@ -108,6 +108,20 @@ def ot_value_coord(lane, warp, v):
     return 64 * (v // 32) + row, col
 
 
+def stage_thread_base(lane, warp, pitch):
+    """The epilogue's staging tile (query rows ``pitch`` elements apart, a group's 256 latent columns): the element
+    of this thread's O^T value 0 in its group's half, ``n * pitch + latent_of_row(m)`` of ``ot_value_coord``; value
+    v is at this base + ``stage_value_offset(v, pitch)``. Values v and v + 2 (rows m and m + 8) are adjacent
+    latent columns of one query row: one 4-byte store of two 16-bit outputs."""
+    return 2 * (lane % 4) * pitch + 16 * warp + 2 * (lane // 4)
+
+
+def stage_value_offset(v, pitch):
+    """Value ``v``'s element offset from ``stage_thread_base``: query row 8 ((v >> 2) & 7) + (v & 1) further,
+    latent column 64 (v >> 5) (its m-tile) + ((v >> 1) & 1) further."""
+    return (8 * ((v >> 2) & 7) + (v & 1)) * pitch + 64 * (v >> 5) + ((v >> 1) & 1)
+
+
 def ot_column_index(v):
     """Which of the thread's 16 query rows (columns of O^T: 8 j + 2 (lane % 4) + e, index 2 j + e) value ``v``
     of its O^T accumulator belongs to."""

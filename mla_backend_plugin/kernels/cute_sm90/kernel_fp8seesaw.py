@@ -1,7 +1,8 @@
 """fp8 "design C" of the CuTe-DSL SM90 MLA decode (sm_90a): fp8 wgmma on the seesaw schedule, O^T = V^T P^T.
 
 docs/design/sm90_decode_budget.md sections 2, 3 and 7 (C2). An fp8 q and an fp8 KV cache only
-(``fp8_design="fp8seesaw"``: a tuner candidate, not `auto`'s choice; docs/perf/cute_sm90_fp8.md). What it shares:
+(``fp8_design="fp8seesaw"``; `auto`'s choice from launch.FP8_SEESAW_MIN_BATCH; docs/perf/cute_sm90_fp8.md). What it
+shares:
 
 * the seesaw's pair schedule (kernel_seesaw.py): the left group (warp group 1) computes S_A = Q K_A^T over the whole
   64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet through shared
@@ -16,15 +17,19 @@ O^T[256 x 64 rows] += V^T[256 x 64 keys] P^T[64 keys x 64 rows], as 2 k-steps x 
 operand, stored by the softmax in the permuted key order those fragments need (``store_p_t``). The index
 arithmetic is fp8seesaw_layout.py, which tests/test_cute_fp8seesaw_cpu.py emulates on the CPU. Each warp releases
 a stage as soon as it has loaded its fragments (the wgmma reads registers), so 5 stages of 36 KB fit beside Q
-(36 KB) and two 4 KB P^T tiles: sPA (P_A at m_A) and sP1 (P_B at m_B; Q's rope chunk, which both groups keep in
-registers).
+(36 KB) and three 4 KB P^T tiles: sPA (P_A at m_A) and P_B at m_B in sP1 (Q's rope chunk, which both groups keep
+in registers) for even pairs and sPB (right after Q) for odd ones: 232,448 bytes, the most a CTA may have.
 
 Per pair i: the left group posts m_A (mbarrier ``m_a``: the right group waits for nothing else of it before
 P_FULL), computes and writes P_A at m_A, rescales its O^T to m_A and issues P_A V_A; the right group, once m_A is
 posted, posts m_B (``m_b``: the left group needs it only after its P_A V_A is issued), writes P_B at m_B, then
 computes O = (O f_A + P_A V_A) f_B + P_B V_B (f_A: old max -> m_A, f_B: m_A -> m_B, each a factor per query row =
 per O^T column, exchanged through shared memory, ``rescale_o_t``); the left group adds P_B V_B after rescaling to
-m_B. The right group signals ``pa_free`` once its P_A V_A retired, before the left group overwrites sPA. The
+m_B. The right group signals ``pa_free`` once its P_A V_A retired, before the left group overwrites sPA. With P_B
+in two buffers (and the right group's factors in two sets) neither group waits for its previous P_B V_B before its
+softmax: the wgmma runs on while the group computes its tile's max, P and P's stores, and is retired before the
+group touches O^T or the fragment registers (the writes of pair i + 1 into pair i - 1's buffers follow P_FULL of
+pair i, which both groups reach after that retirement). The
 one-way signals are mbarriers completed by all 128 threads of the signalling group, and so is the left group's
 own meeting before its P_A V_A (``left_p``): with named barriers of 128 threads for either (``bar.arrive`` /
 ``bar.sync``, a second thread count beside the consumers' 256), compute-sanitizer's racecheck reported hazards
@@ -38,7 +43,9 @@ while the groups exchange maxima and write P, and is done when the next pair sta
 
 Keys past the split's end (TMA loads whole page slices; NaN possible there) are masked in S and zeroed byte by
 byte in the V^T fragments. The accumulator's O^T rows are latent columns in the order ``latent_of_row``; the
-epilogue stages the tile in shared memory in natural order and reuses the common stores.
+epilogue stages the tile in shared memory in natural order (values m and m + 8 of O^T are adjacent latent columns of
+one row: one 4-byte store each, at immediate offsets from one base, ``stage_thread_base``) and reuses the common
+stores.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     NUM_THREADS,
     REGS_CONSUMER_C,
     REGS_PRODUCER_C,
+    STAGE_ROW,
     STAGES_C,
     p_scale_for,
 )
@@ -76,13 +84,14 @@ from mla_backend_plugin.kernels.cute_sm90.fp8seesaw_layout import (
     PRMT_HI,
     PRMT_LO,
     fragment_key,
-    latent_of_row,
     ldsm_immediate,
     ldsm_thread_base,
     ot_column_index,
     p_thread_base,
     p_value_terms,
     p_word_values,
+    stage_thread_base,
+    stage_value_offset,
 )
 from mla_backend_plugin.kernels.cute_sm90.kernel import D_NOPE, D_QK, K_CHUNKS
 from mla_backend_plugin.kernels.cute_sm90.kernel_fp8mma import (
@@ -104,6 +113,10 @@ BYTE_MASKS = (0xFF, 0xFF00, 0xFF0000, -0x1000000)  # byte q of a 32-bit register
 # the row-factor exchange (sAlpha): each group's factors from its old max to m_A and from m_A to m_B; the epilogue
 # reuses the first 128 entries for the row sums and the next 64 for each row's output factor
 LEFT_TO_A, LEFT_TO_B, RIGHT_TO_A, RIGHT_TO_B = 0, BLOCK_M, 2 * BLOCK_M, 3 * BLOCK_M
+# the right group's two factors of pair i sit at RIGHT_TO_A / RIGHT_TO_B + (i % 2) RIGHT_PARITY: a right warp may
+# post pair i's while another right warp still reads pair i - 1's (nothing orders them but P_FULL of pair i)
+RIGHT_PARITY = 2 * BLOCK_M
+ALPHA_ENTRIES = 6 * BLOCK_M
 
 
 @dsl_user_op
@@ -134,6 +147,20 @@ def _st_e4m3x4(base, xor: int, imm: int, b0, b1, b2, b3, *, loc=None, ip=None):
         f"cvt.rn.satfinite.e4m3x2.f32 t1, $4, $3; mov.b32 w, {{t0, t1}}; xor.b32 a, $0, {xor}; "
         f"st.shared.b32 [a+{imm}], w; }}",
         "r,f,f,f,f", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _st_16x2(base, imm: int, lo, hi, fp16: bool, *, loc=None, ip=None):
+    """Two fp32 values rounded to bf16 (fp16 when ``fp16``) into the 4 bytes at shared address ``base + imm``,
+    ``lo`` in the lower half: one ``st.shared.b32``."""
+    kind = "f16x2" if fp16 else "bf16x2"
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(base).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (lo, hi)],
+        f"{{ .reg .b32 w; cvt.rn.{kind}.f32 w, $2, $1; st.shared.b32 [$0+{imm}], w; }}",
+        "r,f,f", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -202,6 +229,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, 1)
         # P^T: 64 rows (N) x 64 key slots (K), K-major, 64-byte swizzle (fp8seesaw_layout.p_offset)
         pt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, BLOCK_M, BLOCK_N), F8, 1)
+        pb_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, BLOCK_M, BLOCK_N), F8, 2)
         # the K ring (64 keys x 576 per stage, fp8seesaw_layout.tile_offset)
         k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N, D_QK), F8, STAGES_C)
 
@@ -214,16 +242,18 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2 * STAGES_C + 5]
             max_a: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
             max_b: cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M]
-            alpha: cute.struct.MemRange[cutlass.Float32, 4 * BLOCK_M]
+            alpha: cute.struct.MemRange[cutlass.Float32, ALPHA_ENTRIES]
             sPA: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(pt_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(q_layout)], 1024]
+            # P_B of odd pairs, right after Q's rope chunk (P_B of even pairs): one 2-stage P^T tensor (pb_layout)
+            sPB: cute.struct.MemRange[F8, cute.cosize(pt_layout)]
             sK: cute.struct.Align[cute.struct.MemRange[F8, cute.cosize(k_layout)], 1024]
 
         self.shared_storage = SharedStorage
         m_blocks = (self.rows + BLOCK_M - 1) // BLOCK_M
         self.kernel_c(qk_mma, qk_acc_mma, qk_rs_mma, pv_mma, tma_atom, tma_tensor, mQn, mQp, mKV, mBT, mRowKv, mOut,
                       mLse, mPartO, mPartLse, mQScale, mKVScale, q_scale, kv_scale, sm_scale_log2, mWork,
-                      mCombineCtr, fuse_combine, q_layout, k_layout, pt_layout).launch(
+                      mCombineCtr, fuse_combine, q_layout, k_layout, pt_layout, pb_layout).launch(
             grid=(m_blocks, grid_items, 1), block=[NUM_THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=1, use_pdl=self.use_pdl)
 
@@ -237,7 +267,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                  mPartLse: cute.Tensor, mQScale: cute.Tensor, mKVScale: cute.Tensor, q_scale: cutlass.Float32,
                  kv_scale: cutlass.Float32, sm_scale_log2: cutlass.Float32, mWork: cute.Tensor,
                  mCombineCtr: cute.Tensor, fuse_combine: cutlass.Int32, q_layout: cute.ComposedLayout,
-                 k_layout: cute.ComposedLayout, pt_layout: cute.ComposedLayout):
+                 k_layout: cute.ComposedLayout, pt_layout: cute.ComposedLayout, pb_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         mblk, w, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -248,12 +278,13 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sPA = storage.sPA.get_tensor(pt_layout.outer, swizzle=pt_layout.inner)
-        # sP1 = Q's rope chunk (chunk 8, 1 KB-aligned), free once both groups hold it in registers
+        # sP1 = Q's rope chunk (chunk 8, 1 KB-aligned), free once both groups hold it in registers: P_B of even
+        # pairs; sPB (next to it) P_B of odd pairs, so that a group's softmax need not wait for the previous P_B V_B
         sP1 = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr() + (K_CHUNKS - 1) * CHUNK_BYTES,
-                                               pt_layout.inner), pt_layout.outer)
+                                               pb_layout.inner), pb_layout.outer)
         sMaxA = storage.max_a.get_tensor(cute.make_layout(2 * BLOCK_M))
         sMaxB = storage.max_b.get_tensor(cute.make_layout(2 * BLOCK_M))
-        sAlpha = storage.alpha.get_tensor(cute.make_layout(4 * BLOCK_M))
+        sAlpha = storage.alpha.get_tensor(cute.make_layout(ALPHA_ENTRIES))
         bars = storage.kv_mbar.data_ptr()
         rings = KRings(full_k=MbarrierRing(bars, STAGES_C, 1), empty_k=MbarrierRing(bars + STAGES_C, STAGES_C, 8),
                        m_a=MbarrierRing(bars + 2 * STAGES_C, 1, 128), m_b=MbarrierRing(bars + 2 * STAGES_C + 1, 1, 128),
@@ -372,7 +403,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def pv_step(self, pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side: cutlass.Constexpr,
-                k: cutlass.Constexpr, lane, valid, r=None):
+                k: cutlass.Constexpr, lane, valid, r=None, p_stage=0):
         """k-step ``k`` of O^T += V_tile^T P^T for this group's 256 latent columns: load the step's fragments and
         issue its 4 m-tiles as one wgmma group (the caller waits for the previous step before reusing ``rV``); the
         tile is released after the last step's loads (this warp's last read of it: the wgmmas read registers and
@@ -382,22 +413,22 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             if lane == 0:
                 rings.empty_k.arrive(tile)
         warpgroup.fence()
-        cute.gemm(pv_mma, acc_t, rV[(None, None, 0)], tOrP[(None, None, k, 0)], acc_t)
+        cute.gemm(pv_mma, acc_t, rV[(None, None, 0)], tOrP[(None, None, k, p_stage)], acc_t)
         warpgroup.commit_group()
 
     @cute.jit
     def issue_pv_t(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
-                   valid):
+                   valid, p_stage=0):
         """Both k-steps of O^T += V_tile^T P^T, with a wait between them (32 fragment registers at once made ptxas
         serialise every wgmma)."""
         thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
-        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid, None, p_stage)
         # k-step 1's ldmatrix before the wait for k-step 0, into 16 registers of their own (rV is still the
         # wgmma's): their latency passes under the wait, so the permutes after it do not stall on them. The
         # stage stays held until k-step 1's permutes are done (pv_step's release). (0 spills, waits unchanged.)
         r1 = self.ldsm_vt(thread_addr, side, 1)
         warpgroup.wait_group(0)  # the previous k-step's fragments are free
-        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1)
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1, p_stage)
 
     @cute.jit
     def issue_pv_t_then_qk(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
@@ -436,14 +467,14 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def post_rows(self, sX, base: cutlass.Constexpr, tScS, vals, lane):
+    def post_rows(self, sX, base, tScS, vals, lane):
         """This thread's two rows' ``vals`` into sX[base + row] (one thread of each quad)."""
         if lane % 4 == 0:
             for half in cutlass.range_constexpr(2):
                 sX[base + tScS[2 * half][0]] = vals[half]
 
     @cute.jit
-    def rescale_o_t(self, acc_t, sAlpha, base: cutlass.Constexpr, lane):
+    def rescale_o_t(self, acc_t, sAlpha, base, lane):
         """O^T's columns are query rows: this thread's 16 (8 j + 2 (lane % 4) + e) take their factors from
         sAlpha[base + row]; skipped when every factor of the warp is 1."""
         a = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
@@ -492,7 +523,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((D_NOPE // 2, BLOCK_M)))
         acc_t.fill(0.0)
         tOrPA = pv_thr.make_fragment_B(pv_thr.partition_B(sPA))
-        tOrP1 = pv_thr.make_fragment_B(pv_thr.partition_B(sP1))
+        tOrP1 = pv_thr.make_fragment_B(pv_thr.partition_B(sP1))  # (..., k-step, pair parity)
         # V^T A fragments of one tile: (values of one m64k32 fragment, 4 m-tiles, 2 k-steps), 32 registers
         rV = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), M_TILES, 1), stride=((1, 4, 8), 16, 0)), F8)
         r_unused = cute.make_rmem_tensor(acc_s.layout, self.cdtype)  # exp_and_sum's 16-bit P (the seesaw's RS A)
@@ -509,9 +540,11 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 tile_start = kv_start + 2 * i * BLOCK_N
                 if i == 0:  # (issued in the loop: an accumulator's first definition may not meet an open wgmma)
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 0)
-                # S_A (issued during the previous pair) and the previous P_B V_B: its P_B in sP1 is read until it
-                # retires, and the right group overwrites sP1 once m_a below lets it go on
-                warpgroup.wait_group(0)
+                # S_A: issued just above at i = 0, else during the previous pair and retired there. The previous
+                # P_B V_B may still run: it reads O^T, the fragments and the other P_B buffer, none of which the
+                # softmax touches (the wait before the rescale below retires it)
+                if i == 0:
+                    warpgroup.wait_group(0)
                 m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane, self.slack_at(i))
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
@@ -525,6 +558,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
                 rings.left_p.arrive(i)
                 rings.left_p.wait_filled(i)
+                warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_A, lane)
                 # P_A V_A with S_A of the next pair issued between its k-steps
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane,
@@ -533,13 +567,13 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 rings.m_b.wait_filled(i)  # m_B <- the right group
                 self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
                 self.post_rows(sAlpha, LEFT_TO_B, tScS, alpha, lane)
-                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
                 warpgroup.wait_group(0)  # P_A V_A,left (and the next S_A): the fragments may be overwritten
                 for half in cutlass.range_constexpr(2):
                     row_sum[half] = row_sum[half] * alpha[half]
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_B, lane)
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 0, warp, lane,
-                                kv_end - tile_start - BLOCK_N)
+                                kv_end - tile_start - BLOCK_N, i % 2)
         else:
             to_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
             to_b = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -547,28 +581,33 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 tile_start = kv_start + (2 * i + 1) * BLOCK_N
                 if i == 0:
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 1)
-                warpgroup.wait_group(0)  # S_B (issued during the previous pair) and the previous P_B V_B (its sP1)
+                if i == 0:  # S_B (later pairs: retired in the previous one; its P_B V_B may still run, as left)
+                    warpgroup.wait_group(0)
                 tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 rings.m_a.wait_filled(i)
                 self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b,
                                        self.slack_at(i))
-                self.post_rows(sAlpha, RIGHT_TO_A, tScS, to_a, lane)
-                self.post_rows(sAlpha, RIGHT_TO_B, tScS, to_b, lane)
+                parity = (i % 2) * RIGHT_PARITY
+                self.post_rows(sAlpha, RIGHT_TO_A + parity, tScS, to_a, lane)
+                self.post_rows(sAlpha, RIGHT_TO_B + parity, tScS, to_b, lane)
                 rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
-                self.store_p_t(acc_s, p1, alpha, False, warp, lane)
-                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B in sP1, this group's factors posted
+                # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
+                # read that buffer, before P_FULL of pair i - 1
+                self.store_p_t(acc_s, p1 + (i % 2) * (BLOCK_M * BLOCK_N), alpha, False, warp, lane)
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
+                warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
                 # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A; S_B of the next pair between P_A V_A's k-steps
-                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_A, lane)
+                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_A + parity, lane)
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 1, warp, lane,
                                         kv_end - tile_start + BLOCK_N, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ,
                                         tSrQreg, tSrK, 2 * i + 3, i + 1 < n_pairs)
                 warpgroup.wait_group(0)  # P_A V_A,right (and the next S_B)
                 if i + 1 < n_pairs:
                     rings.pa_free.arrive(i)
-                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_B, lane)
+                self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_B + parity, lane)
                 self.issue_pv_t(pv_mma, acc_t, rV, tOrP1, rings, k_base, 2 * i + 1, 1, warp, lane,
-                                kv_end - tile_start)
+                                kv_end - tile_start, i % 2)
         warpgroup.wait_group(0)
 
         self.store_result_t(acc_t, row_max, row_sum, tScS, pv_thr, sAlpha, stage_ptr, grp, ctid, mOut, mLse,
@@ -587,11 +626,21 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         if grp == 0:
             self.post_rows(sAlpha, RIGHT_TO_A, tScS, inv, lane)
         consumer_barrier()
-        s_out = self.staged_tile(stage_ptr, self.out_dtype)
-        tOcO = pv_thr.partition_C(cute.make_identity_tensor((D_NOPE // 2, BLOCK_M)))
+        # the tile in natural order: this thread's 16 rows' factors once (sAlpha is shared memory, as the stage
+        # is: loads between the stores would be reloaded after each), then values v and v + 2 (adjacent latent
+        # columns of one row) as one 4-byte store at immediate offsets from one base (stage_thread_base)
+        f = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
+        for j in cutlass.range_constexpr(8):
+            for e in cutlass.range_constexpr(2):
+                f[2 * j + e] = sAlpha[RIGHT_TO_A + 8 * j + 2 * (lane % 4) + e]
+        elem = self.out_dtype.width // 8
+        gtid = ctid % 128
+        base = stage_ptr.toint() + elem * (grp * (D_NOPE // 2) + stage_thread_base(lane, gtid // 32, STAGE_ROW))
         for v in cutlass.range_constexpr(cute.size(acc_t)):
-            n = tOcO[v][1]
-            col = grp * (D_NOPE // 2) + latent_of_row(tOcO[v][0])
-            s_out[(n, col)] = (acc_t[v] * sAlpha[RIGHT_TO_A + n]).to(self.out_dtype)
+            if cutlass.const_expr(v & 2 == 0):
+                x = f[ot_column_index(v)]
+                _st_16x2(base, elem * stage_value_offset(v, STAGE_ROW), acc_t[v] * x, acc_t[v + 2] * x,
+                         self.out_dtype == cutlass.Float16)
         consumer_barrier()
+        s_out = self.staged_tile(stage_ptr, self.out_dtype)
         self.store_staged(s_out, lse2, tScS, ctid, mOut, mLse, mPartO, mPartLse, n_splits, b, mblk, slot)

@@ -89,8 +89,11 @@ FP8_DEQUANT_MAX_BATCH = 2
 # mbarrier (kernel_fp8seesaw.py). Design C stays a tuner candidate at every batch (configs). From batch 16 since its
 # schedule edits (H200, 2026-11-29, benchmarks/results/fp8_small_batch_h200/: C against B at B 2-24 x S 1k-32k x
 # q_len 1-2): C's time / B's geomean 0.883 at B=24 (0.78-1.07), 0.950 at B=16 (0.81-1.18, slower only at S = 1k),
-# 1.01 at B=8, 1.05-1.2 at B 2-4.
-FP8_SEESAW_MIN_BATCH = 16
+# 1.01 at B=8, 1.05-1.2 at B 2-4. From batch 8 since C's epilogue stores (H200, 2026-11-29, benchmarks/results/
+# fp8_epilogue_h200/small_batch.txt, C against `auto` at B 2-16 x S 1k-32k x q_len 1-2 in one run beside FlashMLA):
+# C / B 0.91 at B=8 (0.80-0.98, but 1.07 at S = 1k q_len 1), 0.87 at B=12; at B 2-4 C wins from S = 4-8k and loses
+# up to 1.23x at S <= 2k, so design B stays there (the launch knows the batch, not the step's lengths).
+FP8_SEESAW_MIN_BATCH = 8
 
 
 def fp8_design_for(args) -> str:
