@@ -652,10 +652,10 @@ class Sm90MlaDecode:
 
     @cute.jit
     def final_row_stats(self, row_max, row_sum, tScS, sSumX, grp, lane, kscale, o_scale: cutlass.Constexpr,
-                        n_splits):
+                        n_splits, lse_shift: cutlass.Constexpr = 0.0):
         """The epilogue's per-row numbers for this thread's two rows (``tScS`` of the 64 x 64 S layout): adds the
         other group's half of each row sum (``sSumX``), then returns the output factor (``o_scale`` / l, x kv_scale
-        for an unsplit item) and the log2 LSE."""
+        for an unsplit item) and the log2 LSE (less ``lse_shift``: the log2 of a scale the row sums carry)."""
         for half in cutlass.range_constexpr(2):
             row_sum[half] = cute.arch.warp_reduction_sum(row_sum[half], threads_in_group=4)
             if lane % 4 == 0:
@@ -675,6 +675,8 @@ class Sm90MlaDecode:
             if total > 0.0:
                 i_v = o_scale / total
                 l_v = row_max[half] + cute.math.log2(total, fastmath=False)
+                if cutlass.const_expr(lse_shift != 0.0):
+                    l_v = l_v - lse_shift
             inv[half] = i_v * out_scale
             lse2[half] = l_v
         return inv, lse2

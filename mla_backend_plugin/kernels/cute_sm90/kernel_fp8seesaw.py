@@ -8,7 +8,8 @@ shares:
   64-key tile A = 2i, the right group S_B for B = 2i + 1; the running row maxima meet through shared
   memory (``left_running_max``, ``right_running_max``) and both P tiles are in shared memory after P_FULL;
 * design B's TMA producer (kernel_fp8mma.py ``issue_tma``, warp 0, boxes of min(block_size, 64) rows x 64 bytes,
-  64-byte swizzle) and its fp8 Q load (``load_q``), and P as e4m3(256 P) (the 1/256 folds into 1/l).
+  64-byte swizzle) and its fp8 Q load (``load_q``), and P as e4m3(256 P) (here the 256 enters the exp,
+  exp2(s - (m - 8)), and leaves through the LSE).
 
 What is new: no V^T buffer and no transpose. Each group computes its 256 latent columns transposed,
 O^T[256 x 64 rows] += V^T[256 x 64 keys] P^T[64 keys x 64 rows], as 2 k-steps x 4 m-tiles of
@@ -51,6 +52,7 @@ stores.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -192,6 +194,19 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     def p_scale(self) -> float:
         """P's e4m3 scale for the variant's running-max slack (config.MAX_SLACK: P reaches 2^max_slack)."""
         return p_scale_for(self.v.max_slack)
+
+    @property
+    def log2_p_scale(self) -> float:
+        """log2 of ``p_scale`` (a power of two): the softmax computes p_scale P as exp2(s - (m - log2_p_scale)),
+        so the row sums carry the scale too and P goes to e4m3 with no multiply (``exp_base_scaled``)."""
+        return float(math.log2(self.p_scale))
+
+    @cute.jit
+    def exp_base_scaled(self, m_use):
+        """The exp bases of this tile's two row halves, lowered by ``log2_p_scale`` (exact: a small integer)."""
+        if cutlass.const_expr(self.log2_p_scale != 0.0):
+            for half in cutlass.range_constexpr(2):
+                m_use[half] = m_use[half] - self.log2_p_scale
 
     @cute.jit
     def slack_at(self, i):
@@ -449,21 +464,22 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def store_p_t(self, acc_s, p_addr, factor, scaled: cutlass.Constexpr, warp, lane):
-        """P (fp32 in ``acc_s``, x ``factor`` per row half when ``scaled``) as e4m3(256 P) into the P^T tile at
-        ``p_addr``, key k at slot ``slot_of_key(k)`` (``p_offset`` in the form ``p_thread_base``: value v of the
-        m64n64 accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (lane % 4) + (v & 1));
-        fenced for the wgmma (async proxy)."""
+        """P (fp32 in ``acc_s``, already x p_scale: ``exp_base_scaled``; x ``factor`` per row half when ``scaled``) as
+        e4m3 into the P^T tile at ``p_addr``, key k at slot ``slot_of_key(k)`` (``p_offset`` in the form
+        ``p_thread_base``: value v of the m64n64 accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key
+        8 (v >> 2) + 2 (lane % 4) + (v & 1)); fenced for the wgmma (async proxy)."""
         base = p_addr + p_thread_base(lane, warp)
         # 4-byte stores: values v0, v0 + 1 (keys 2 (lane % 4) + 0, 1 of an 8-key column group) and v0 + 4, v0 + 5
         # (the same keys + 8) of one row sit at slots 4 (lane % 4) + 0..3 (slot_of_key), one aligned word, so
         # this thread stores them together with no shuffle (p_word_values); 8 STS.32 instead of 16 STS.U16
         for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
             vals = p_word_values(w)
-            f = self.p_scale
-            if cutlass.const_expr(scaled):
-                f = factor[(vals[0] >> 1) & 1] * self.p_scale
             xor, imm = p_value_terms(vals[0])
-            _st_e4m3x4(base, xor, imm, *(acc_s[v] * f for v in vals))
+            if cutlass.const_expr(scaled):
+                f = factor[(vals[0] >> 1) & 1]
+                _st_e4m3x4(base, xor, imm, *(acc_s[v] * f for v in vals))
+            else:
+                _st_e4m3x4(base, xor, imm, *(acc_s[v] for v in vals))
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
@@ -550,6 +566,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
                 # its P_B while this group computes P_A
                 rings.m_a.arrive(i)
+                self.exp_base_scaled(m_use)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 if i > 0:  # the right group has retired the previous P_A V_A
                     rings.pa_free.wait_filled(i - 1)
@@ -591,6 +608,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.post_rows(sAlpha, RIGHT_TO_A + parity, tScS, to_a, lane)
                 self.post_rows(sAlpha, RIGHT_TO_B + parity, tScS, to_b, lane)
                 rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
+                self.exp_base_scaled(m_use)
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
                 # read that buffer, before P_FULL of pair i - 1
@@ -621,8 +639,8 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         column: ``latent_of_row``), then the common 16-byte stores."""
         lane = ctid % 32
         consumer_barrier()  # every thread is past its last read of the factor exchange
-        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sAlpha, grp, lane, kscale, 1.0 / self.p_scale,
-                                         n_splits)
+        inv, lse2 = self.final_row_stats(row_max, row_sum, tScS, sAlpha, grp, lane, kscale, 1.0, n_splits,
+                                         self.log2_p_scale)
         if grp == 0:
             self.post_rows(sAlpha, RIGHT_TO_A, tScS, inv, lane)
         consumer_barrier()
