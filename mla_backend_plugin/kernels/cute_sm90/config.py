@@ -109,7 +109,7 @@ class Variant(CuteVariant):
         if self.l2_prefetch and self.schedule != "seesaw":
             raise ValueError(f"l2_prefetch={self.l2_prefetch} is the 16-bit seesaw kernel's; schedule "
                              f"{self.schedule!r}, kv_dtype {self.kv_dtype!r} (allowed: 0 there)")
-        if self.max_slack and not (self.fp8_seesaw or (self.kv_dtype != "fp8" and self.schedule == "seesaw")):
+        if self.max_slack and not has_max_slack(self.fp8_seesaw, self.kv_dtype, self.schedule):
             raise ValueError(f"max_slack={self.max_slack} is the seesaw schedules' (16-bit seesaw, fp8 design C); "
                              f"schedule {self.schedule!r}, kv_dtype {self.kv_dtype!r}, fp8_seesaw {self.fp8_seesaw} "
                              f"(allowed: 0 there)")
@@ -134,6 +134,11 @@ class Variant(CuteVariant):
         mc = f" mc{KV_CLUSTER}" if self.kv_multicast else ""
         slack = f" slack{self.max_slack:g}" if self.max_slack else ""
         return f"{design}{rows}{schedule}{l2}{mc}{slack}"
+
+
+def has_max_slack(fp8_seesaw: bool, kv_dtype: str, schedule: str) -> bool:
+    """Whether a kernel takes a running-max slack: the seesaw schedules (fp8 design C, the 16-bit seesaw)."""
+    return fp8_seesaw or (kv_dtype != "fp8" and schedule == "seesaw")
 
 
 def p_scale_for(max_slack: float) -> float:

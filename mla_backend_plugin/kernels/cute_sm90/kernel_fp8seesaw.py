@@ -463,11 +463,11 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1)
 
     @cute.jit
-    def store_p_t(self, acc_s, p_addr, factor, scaled: cutlass.Constexpr, warp, lane):
-        """P (fp32 in ``acc_s``, already x p_scale: ``exp_base_scaled``; x ``factor`` per row half when ``scaled``) as
-        e4m3 into the P^T tile at ``p_addr``, key k at slot ``slot_of_key(k)`` (``p_offset`` in the form
-        ``p_thread_base``: value v of the m64n64 accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key
-        8 (v >> 2) + 2 (lane % 4) + (v & 1)); fenced for the wgmma (async proxy)."""
+    def store_p_t(self, acc_s, p_addr, warp, lane):
+        """P (fp32 in ``acc_s``, already x p_scale: ``exp_base_scaled``) as e4m3 into the P^T tile at ``p_addr``,
+        key k at slot ``slot_of_key(k)`` (``p_offset`` in the form ``p_thread_base``: value v of the m64n64
+        accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (lane % 4) + (v & 1)); fenced
+        for the wgmma (async proxy)."""
         base = p_addr + p_thread_base(lane, warp)
         # 4-byte stores: values v0, v0 + 1 (keys 2 (lane % 4) + 0, 1 of an 8-key column group) and v0 + 4, v0 + 5
         # (the same keys + 8) of one row sit at slots 4 (lane % 4) + 0..3 (slot_of_key), one aligned word, so
@@ -475,11 +475,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
             vals = p_word_values(w)
             xor, imm = p_value_terms(vals[0])
-            if cutlass.const_expr(scaled):
-                f = factor[(vals[0] >> 1) & 1]
-                _st_e4m3x4(base, xor, imm, *(acc_s[v] * f for v in vals))
-            else:
-                _st_e4m3x4(base, xor, imm, *(acc_s[v] for v in vals))
+            _st_e4m3x4(base, xor, imm, *(acc_s[v] for v in vals))
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
@@ -571,7 +567,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 if i > 0:  # the right group has retired the previous P_A V_A
                     rings.pa_free.wait_filled(i - 1)
                 # P_A at m_A: both groups' P_A V_A (the right group rescales its O around it)
-                self.store_p_t(acc_s, pa, alpha, False, warp, lane)
+                self.store_p_t(acc_s, pa, warp, lane)
                 self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
                 rings.left_p.arrive(i)
                 rings.left_p.wait_filled(i)
@@ -612,7 +608,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
                 # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
                 # read that buffer, before P_FULL of pair i - 1
-                self.store_p_t(acc_s, p1 + (i % 2) * (BLOCK_M * BLOCK_N), alpha, False, warp, lane)
+                self.store_p_t(acc_s, p1 + (i % 2) * (BLOCK_M * BLOCK_N), warp, lane)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
                 warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
                 # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A; S_B of the next pair between P_A V_A's k-steps

@@ -40,6 +40,7 @@ from mla_backend_plugin.kernels.cute_sm90.config import (
     SEESAW_MAX_SLACK,
     PlanVariant,
     Variant,
+    has_max_slack,
     m_blocks,
     multicast_fits,
     softmax_scale_log2,
@@ -82,17 +83,11 @@ FP8_DEQUANT_MAX_BATCH = 2
 
 
 # fp8 caches, CUTE_MLA_FP8_DESIGN=auto, fp8 q: design C ("fp8seesaw", kernel_fp8seesaw.py, an fp8 q only) from this
-# batch, design B below. H100, 2026-11-28, standard fp8 grid, both designs in one run (benchmarks/results/
-# fp8seesaw_h100/design_c, design_b): C is 1.00-1.09x FlashMLA fp8 at B >= 32 and S >= 4096 where B is 0.93-1.03x,
-# and the slower design where a CTA has few tiles (S = 1024, B <= 8); the rule's geomean over the 48 cells 1.021x
-# FlashMLA against design B's 0.994x. compute-sanitizer's racecheck is clean on it since its in-group meeting is an
-# mbarrier (kernel_fp8seesaw.py). Design C stays a tuner candidate at every batch (configs). From batch 16 since its
-# schedule edits (H200, 2026-11-29, benchmarks/results/fp8_small_batch_h200/: C against B at B 2-24 x S 1k-32k x
-# q_len 1-2): C's time / B's geomean 0.883 at B=24 (0.78-1.07), 0.950 at B=16 (0.81-1.18, slower only at S = 1k),
-# 1.01 at B=8, 1.05-1.2 at B 2-4. From batch 8 since C's epilogue stores (H200, 2026-11-29, benchmarks/results/
-# fp8_epilogue_h200/small_batch.txt, C against `auto` at B 2-16 x S 1k-32k x q_len 1-2 in one run beside FlashMLA):
-# C / B 0.91 at B=8 (0.80-0.98, but 1.07 at S = 1k q_len 1), 0.87 at B=12; at B 2-4 C wins from S = 4-8k and loses
-# up to 1.23x at S <= 2k, so design B stays there (the launch knows the batch, not the step's lengths).
+# batch, design B below; design C stays a tuner candidate at every batch (configs). Measured (H200, 2026-11-29,
+# benchmarks/results/fp8_epilogue_h200/small_batch.txt, C against B at B 2-16 x S 1k-32k x q_len 1-2 in one run
+# beside FlashMLA): C / B 0.91 at B=8 (0.80-0.98, but 1.07 at S = 1k q_len 1), 0.89 at B=12; at B 2-4 C wins from
+# S = 4-8k and loses up to 1.23x at S <= 2k, so design B stays there (the launch knows the batch, not the step's
+# lengths). Earlier thresholds (32, then 16) and their grids: docs/perf/cute_sm90_fp8.md.
 FP8_SEESAW_MIN_BATCH = 8
 
 
@@ -177,14 +172,13 @@ def variant_for(args, config: LaunchConfig, kv_multicast: bool = False) -> Varia
                    kv_scale_is_ptr=isinstance(args.kv_scale, torch.Tensor), fp8_mma=fp8_mma,
                    fp8_seesaw=fp8_seesaw, row_kv_lens=args.row_kv_lens is not None, schedule=schedule,
                    l2_prefetch=l2_prefetch_for(args, config), kv_multicast=kv_multicast,
-                   max_slack=max_slack_for(fp8_seesaw, args.kv_dtype != FP8_DTYPE and schedule == "seesaw",
-                                           config))
+                   max_slack=max_slack_for(fp8_seesaw, DTYPE_NAMES[args.kv_dtype], schedule, config))
 
 
-def max_slack_for(fp8_seesaw: bool, seesaw16: bool, config: LaunchConfig) -> float:
+def max_slack_for(fp8_seesaw: bool, kv_dtype: str, schedule: str, config: LaunchConfig) -> float:
     """The running max's slack of a seesaw kernel (design C, the 16-bit seesaw): the config's, else the family's
-    default for that kernel; 0 for the other kernels (they have none)."""
-    if not (fp8_seesaw or seesaw16):
+    default for that kernel; 0 for the other kernels (they have none: config.has_max_slack)."""
+    if not has_max_slack(fp8_seesaw, kv_dtype, schedule):
         return 0.0
     if config.max_slack is not None:
         return float(config.max_slack)
