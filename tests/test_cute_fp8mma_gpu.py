@@ -80,6 +80,30 @@ def test_fp8_designs_short_and_ragged_lengths(design):
     decode_and_check(inp, ws, FP8, f"{design} lens={lens}", fp8_design=design)
 
 
+@pytest.mark.parametrize("which", ["q_scale", "kv_scale"])
+def test_design_c_gives_nan_rows_for_a_scale_tensor_not_positive(which):
+    """Design C takes each row's max from the raw S (kernel_fp8seesaw.tile_row_max), which holds for a positive
+    scale only; a scale tensor <= 0 (read on the device, so the API cannot refuse it as it refuses such a float)
+    gives NaN rows, never a finite wrong answer; the same inputs with the scale positive match the reference."""
+    from mla_backend_plugin.ops import MLAWorkspace, mla_decode
+
+    if kernel_unsupported_reason("cute_sm90") is not None:
+        pytest.skip(kernel_unsupported_reason("cute_sm90"))
+    lens = [700, 1500]
+    inp = make_decode_inputs(len(lens), lens, 1, 128, 64, FP8, "fp8", "cuda", 21, q_scale=0.5, kv_scale=2.0)
+    ws = MLAWorkspace("cuda", max_batch=len(lens), max_q_len=1, num_heads=128)
+    decode_and_check(inp, ws, FP8, "design C, positive scales", scales=(True, True), fp8_design="fp8seesaw")
+    for bad in (0.0, -2.0):
+        scales = inp.scale_kwargs(True)
+        scales[which] = torch.tensor([bad], dtype=torch.float32, device="cuda")
+        out, lse = inp.poisoned_outputs()
+        out.zero_()
+        mla_decode(*inp.call_args(), softmax_scale=inp.softmax_scale, out=out, lse=lse, kernel="cute_sm90",
+                   workspace=ws, fp8_design="fp8seesaw", **scales)
+        torch.cuda.synchronize()
+        assert out.float().isnan().all(), f"{which}={bad}: {out.float().isnan().float().mean().item():.3f} NaN"
+
+
 @pytest.mark.parametrize("heads,lens_around,bs", [(128, 3000, 64), (16, 1500, 32)])
 def test_auto_runs_design_c_from_its_min_batch_eager_and_in_graphs(heads, lens_around, bs, monkeypatch):
     """The serving default: ``auto`` with an fp8 q runs design C from launch.FP8_SEESAW_MIN_BATCH. Ragged lengths

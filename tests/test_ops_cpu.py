@@ -409,6 +409,12 @@ def _validation_cases():
         r"q_scale: must be a float or a 1-element float32 tensor, got \(1,\) torch.float64")
     add("kv_scale_tensor_2_elems", lambda: _call(_base("pair", kv_dtype=FP8), kv_scale=torch.ones(2)),
         r"kv_scale: must be a float or a 1-element float32 tensor, got \(2,\) torch.float32")
+    add("kv_scale_zero", lambda: _call(_base("pair", kv_dtype=FP8), kv_scale=0.0),
+        r"kv_scale: must be a positive finite number \(a dequantisation scale\), got 0.0")
+    add("q_scale_negative", lambda: _call(_base("fp8", kv_dtype=FP8), out_dtype=BF16, q_scale=-0.5),
+        r"q_scale: must be a positive finite number \(a dequantisation scale\), got -0.5")
+    add("kv_scale_nan", lambda: _call(_base("pair", kv_dtype=FP8), kv_scale=float("nan")),
+        r"kv_scale: must be a positive finite number \(a dequantisation scale\), got nan")
 
     # ---- output dtype / out / lse ----
     add("fp8_q_without_out_dtype", lambda: _call(_base("fp8", kv_dtype=FP8)),

@@ -73,7 +73,8 @@ def mla_decode(
         softmax_scale: multiplies q.k before the softmax.
         q_len: query tokens per request (1..4); derived from the shapes when None.
         q_scale / kv_scale: dequantisation scales of an fp8 q / fp8 cache (float or 1-element float32 device
-            tensor, read on the device, so no host sync). Must be None for 16-bit tensors.
+            tensor, read on the device, so no host sync), positive: a float <= 0 is refused; a tensor <= 0 gives
+            NaN rows from cute_sm90's fp8 design C. Must be None for 16-bit tensors.
         out / lse: optional preallocated outputs ``[T, H, 512]`` and float32 ``[T, H]``.
             ``cute_sm90`` writes whole rows of ``out`` with 16-byte stores: it refuses an ``out`` whose rows are
             not 16-byte aligned (``auto`` then picks another kernel).

@@ -6,6 +6,7 @@ kernel's ``launch`` receives.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -140,7 +141,9 @@ def _check_scale(name: str, scale: Scale, tensor_is_fp8: bool, device: torch.dev
         if scale.device != device:
             fail(name, f"must be on {device}, got {scale.device}")
     else:
-        float(scale)  # a number (else its TypeError / ValueError)
+        value = float(scale)  # a number (else its TypeError / ValueError)
+        if not (math.isfinite(value) and value > 0):
+            fail(name, f"must be a positive finite number (a dequantisation scale), got {scale!r}")
 
 
 def _describe(t) -> str:

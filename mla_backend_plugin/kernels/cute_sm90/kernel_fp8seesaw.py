@@ -118,7 +118,10 @@ LEFT_TO_A, LEFT_TO_B, RIGHT_TO_A, RIGHT_TO_B = 0, BLOCK_M, 2 * BLOCK_M, 3 * BLOC
 # the right group's two factors of pair i sit at RIGHT_TO_A / RIGHT_TO_B + (i % 2) RIGHT_PARITY: a right warp may
 # post pair i's while another right warp still reads pair i - 1's (nothing orders them but P_FULL of pair i)
 RIGHT_PARITY = 2 * BLOCK_M
-ALPHA_ENTRIES = 6 * BLOCK_M
+# after the six factor sets, a flag per set and warp of the posting group: 1.0 when a factor of the warp's 16 rows is
+# not 1 (``post_factors``), so a reader skips its 16 factor loads and compares unless a flag of the set is up
+MOVED = 6 * BLOCK_M
+ALPHA_ENTRIES = MOVED + 6 * 4
 
 
 @dsl_user_op
@@ -166,6 +169,14 @@ def _st_16x2(base, imm: int, lo, hi, fp16: bool, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+def _tree_max(vals):
+    """The max of a list of values as a balanced tree of fmax (depth log2 n, not a chain of n - 1)."""
+    if len(vals) == 1:
+        return vals[0]
+    half = len(vals) // 2
+    return cute.arch.fmax(_tree_max(vals[:half]), _tree_max(vals[half:]))
+
+
 @dataclasses.dataclass(frozen=True)
 class KRings:
     full_k: MbarrierRing  # TMA landed the tile (expect-tx bytes)
@@ -184,11 +195,9 @@ class KRings:
 class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     """Design C: fp8 wgmma on the seesaw schedule, P V as O^T = V^T P^T with V^T in registers."""
 
-    scaled_row_max = Sm90MlaDecodeSeesaw.scaled_row_max
     left_running_max = Sm90MlaDecodeSeesaw.left_running_max
     right_running_max = Sm90MlaDecodeSeesaw.right_running_max
     left_factor_to_right_max = Sm90MlaDecodeSeesaw.left_factor_to_right_max
-    exp_and_sum = Sm90MlaDecodeSeesaw.exp_and_sum
 
     @property
     def p_scale(self) -> float:
@@ -200,6 +209,49 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         """log2 of ``p_scale`` (a power of two): the softmax computes p_scale P as exp2(s - (m - log2_p_scale)),
         so the row sums carry the scale too and P goes to e4m3 with no multiply (``exp_base_scaled``)."""
         return float(math.log2(self.p_scale))
+
+    @cute.jit
+    def tile_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):
+        """The tile's row maxima in the log2 domain (quad-reduced: the 4 threads of a row agree) from the raw S,
+        which stays unscaled (``exp_and_sum`` scales it inside its FMA): scale_log2 > 0 (``positive_scale``), so
+        the largest S x scale is the largest S x scale, rounded once, the value the scaled-then-compared form
+        gave. Keys at or past a row's limit become -inf first (a NaN read there too), on a tile that holds such a
+        key for some row of the warp only (a warp-uniform branch: the split's last tile or two); each row's
+        maximum is a tree of 16 values, not a chain."""
+        need = cutlass.Int32(0)
+        for half in cutlass.range_constexpr(2):
+            need = need | cutlass.Int32(tile_start + BLOCK_N > row_limit[half])
+        if cute.arch.vote_any_sync(need != 0):
+            for v in cutlass.range_constexpr(cute.size(tScS)):
+                if tile_start + tScS[v][1] >= row_limit[(v >> 1) & 1]:
+                    acc_s[v] = -cutlass.Float32.inf
+        m = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for half in cutlass.range_constexpr(2):
+            top = _tree_max([acc_s[v] for v in range(cute.size(tScS)) if (v >> 1) & 1 == half])
+            m[half] = cute.arch.warp_reduction_max(top, threads_in_group=4) * scale_log2
+        return m
+
+    @cute.jit
+    def exp_and_sum(self, acc_s, row_sum, alpha, m_use, scale_log2):
+        """P x p_scale = exp2(S x scale - m_use) (one FMA and the exp a value: ``m_use`` carries the scale,
+        ``exp_base_scaled``) in place of the raw S; l = l alpha + sum P."""
+        for half in cutlass.range_constexpr(2):
+            row_sum[half] = row_sum[half] * alpha[half]
+        for v in cutlass.range_constexpr(cute.size(acc_s)):
+            half = (v >> 1) & 1
+            p = cute.math.exp2(acc_s[v] * scale_log2 - m_use[half], fastmath=True)
+            acc_s[v] = p
+            row_sum[half] = row_sum[half] + p
+
+    @cute.jit
+    def positive_scale(self, scale_log2):
+        """The logit scale, or NaN when it is not positive (a q or KV scale tensor <= 0; float scales are refused
+        by the API): the max of the raw S (``tile_row_max``) holds for a positive scale only, and a NaN output
+        says so where a wrong finite one would not."""
+        s = scale_log2
+        if not (scale_log2 > 0.0):
+            s = cutlass.Float32.nan
+        return s
 
     @cute.jit
     def exp_base_scaled(self, m_use):
@@ -486,17 +538,30 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 sX[base + tScS[2 * half][0]] = vals[half]
 
     @cute.jit
+    def post_factors(self, sAlpha, base, tScS, vals, lane, warp):
+        """``post_rows`` of a factor set (``base``, a multiple of BLOCK_M) and its warp's flag: 1.0 when a factor
+        of the warp's rows is not 1 (a NaN one too), at MOVED + 4 (base / BLOCK_M) + warp."""
+        self.post_rows(sAlpha, base, tScS, vals, lane)
+        moved = cute.arch.vote_any_sync(vals[0] != 1.0 or vals[1] != 1.0)
+        if lane == 0:
+            flag = cutlass.Float32(0.0)
+            if moved:
+                flag = cutlass.Float32(1.0)
+            sAlpha[MOVED + base // (BLOCK_M // 4) + warp] = flag
+
+    @cute.jit
     def rescale_o_t(self, acc_t, sAlpha, base, lane):
-        """O^T's columns are query rows: this thread's 16 (8 j + 2 (lane % 4) + e) take their factors from
-        sAlpha[base + row]; skipped when every factor of the warp is 1."""
-        a = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
-        moved = cutlass.Int32(0)
-        for j in cutlass.range_constexpr(8):
-            for e in cutlass.range_constexpr(2):
-                x = sAlpha[base + 8 * j + 2 * (lane % 4) + e]
-                a[2 * j + e] = x
-                moved = moved | cutlass.Int32(x != 1.0)
-        if cute.arch.vote_any_sync(moved != 0):
+        """O^T's columns are query rows (all 64 in every warp): this thread's 16 (8 j + 2 (lane % 4) + e) take
+        their factors from sAlpha[base + row], unless no flag of the set is up (``post_factors``: every factor
+        is 1, most tiles of a long split with the running max's slack): then 4 loads and no compare."""
+        flags = cutlass.Float32(0.0)
+        for w in cutlass.range_constexpr(4):
+            flags = flags + sAlpha[MOVED + base // (BLOCK_M // 4) + w]
+        if flags != 0.0:
+            a = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
+            for j in cutlass.range_constexpr(8):
+                for e in cutlass.range_constexpr(2):
+                    a[2 * j + e] = sAlpha[base + 8 * j + 2 * (lane % 4) + e]
             for v in cutlass.range_constexpr(cute.size(acc_t)):
                 acc_t[v] = acc_t[v] * a[ot_column_index(v)]
 
@@ -518,7 +583,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
             rings.q_ready.arrive(0)
         qscale, kscale = load_scales(self.v.q_scale_is_ptr, self.v.kv_scale_is_ptr, q_scale, kv_scale, mQScale,
                                      mKVScale)
-        scale_log2 = sm_scale_log2 * qscale * kscale
+        scale_log2 = self.positive_scale(sm_scale_log2 * qscale * kscale)
 
         qk_thr = qk_mma.get_slice(gtid)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -538,7 +603,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         tOrP1 = pv_thr.make_fragment_B(pv_thr.partition_B(sP1))  # (..., k-step, pair parity)
         # V^T A fragments of one tile: (values of one m64k32 fragment, 4 m-tiles, 2 k-steps), 32 registers
         rV = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), M_TILES, 1), stride=((1, 4, 8), 16, 0)), F8)
-        r_unused = cute.make_rmem_tensor(acc_s.layout, self.cdtype)  # exp_and_sum's 16-bit P (the seesaw's RS A)
         k_base = sK.iterator.toint()
         pa = sPA.iterator.toint()
         p1 = sP1.iterator.toint()
@@ -557,18 +621,18 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # softmax touches (the wait before the rescale below retires it)
                 if i == 0:
                     warpgroup.wait_group(0)
-                m_a = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                m_a = self.tile_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 self.left_running_max(sMaxA, i, tScS, m_a, row_max, alpha, m_use, lane, self.slack_at(i))
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
                 # its P_B while this group computes P_A
                 rings.m_a.arrive(i)
                 self.exp_base_scaled(m_use)
-                self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
+                self.exp_and_sum(acc_s, row_sum, alpha, m_use, scale_log2)
                 if i > 0:  # the right group has retired the previous P_A V_A
                     rings.pa_free.wait_filled(i - 1)
                 # P_A at m_A: both groups' P_A V_A (the right group rescales its O around it)
                 self.store_p_t(acc_s, pa, warp, lane)
-                self.post_rows(sAlpha, LEFT_TO_A, tScS, alpha, lane)
+                self.post_factors(sAlpha, LEFT_TO_A, tScS, alpha, lane, warp)
                 rings.left_p.arrive(i)
                 rings.left_p.wait_filled(i)
                 warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
@@ -579,7 +643,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                                         tSrK, 2 * i + 2, i + 1 < n_pairs)
                 rings.m_b.wait_filled(i)  # m_B <- the right group
                 self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
-                self.post_rows(sAlpha, LEFT_TO_B, tScS, alpha, lane)
+                self.post_factors(sAlpha, LEFT_TO_B, tScS, alpha, lane, warp)
                 consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
                 warpgroup.wait_group(0)  # P_A V_A,left (and the next S_A): the fragments may be overwritten
                 for half in cutlass.range_constexpr(2):
@@ -596,16 +660,16 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                     self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, 1)
                 if i == 0:  # S_B (later pairs: retired in the previous one; its P_B V_B may still run, as left)
                     warpgroup.wait_group(0)
-                tile_max = self.scaled_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
+                tile_max = self.tile_row_max(acc_s, tScS, row_limit, scale_log2, tile_start)
                 rings.m_a.wait_filled(i)
                 self.right_running_max(sMaxA, sMaxB, i, tScS, tile_max, row_max, alpha, m_use, lane, to_a, to_b,
                                        self.slack_at(i))
                 parity = (i % 2) * RIGHT_PARITY
-                self.post_rows(sAlpha, RIGHT_TO_A + parity, tScS, to_a, lane)
-                self.post_rows(sAlpha, RIGHT_TO_B + parity, tScS, to_b, lane)
+                self.post_factors(sAlpha, RIGHT_TO_A + parity, tScS, to_a, lane, warp)
+                self.post_factors(sAlpha, RIGHT_TO_B + parity, tScS, to_b, lane, warp)
                 rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
                 self.exp_base_scaled(m_use)
-                self.exp_and_sum(acc_s, r_unused, row_sum, alpha, m_use)
+                self.exp_and_sum(acc_s, row_sum, alpha, m_use, scale_log2)
                 # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
                 # read that buffer, before P_FULL of pair i - 1
                 self.store_p_t(acc_s, p1 + (i % 2) * (BLOCK_M * BLOCK_N), warp, lane)
