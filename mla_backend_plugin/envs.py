@@ -129,7 +129,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "cute_sm90 with an fp8 KV cache: `fp8mma` (fp8 wgmma; a 16-bit q as e4m3 hi + lo, an fp8 q as it "
            "is), `dequant` (widen the cache to 16 bits; more accurate, and with a 16-bit q faster at batch 1-2 "
            "where each CTA has few tiles), `fp8seesaw` (design C, fp8 wgmma on the seesaw schedule, for an fp8 q; "
-           "a 16-bit q runs `fp8mma` under it) or `auto` (an fp8 q: `fp8seesaw` from batch 8, `fp8mma` below; "
+           "a 16-bit q runs `fp8mma` under it) or `auto` (an fp8 q: `fp8seesaw` from batch 6, `fp8mma` below; "
            "a 16-bit q: `dequant` up to batch 2, `fp8mma` above). Default of `mla_decode(fp8_design=None)`.",
            kind="choice", choices=("auto", "fp8mma", "dequant", "fp8seesaw")),
     EnvVar("CUTE_MLA_SM90_SCHEDULE", "seesaw",

@@ -49,7 +49,7 @@ def serving_variants() -> list[Variant]:
     out += [Variant("fp8", "bf16", "bf16", h, q, 64, False, True, fp8_mma=False)
             for h, q in itertools.product((16, 32, 64, 128), (1, 2, 3, 4))]
     out += [Variant("fp8", "fp8", "bf16", 128, 1, 64, True, True, fp8_mma=False)]
-    # design C (fp8 wgmma on the seesaw, an fp8 q only), auto's choice from batch 8 (launch.fp8_design_for): every
+    # design C (fp8 wgmma on the seesaw, an fp8 q only), auto's choice from batch 6 (launch.fp8_design_for): every
     # head count at q_len 1 (a deployment's decode shape) and 2 (MTP with one draft token, DeepSeek's own); q_len 3-4
     # compile on first use (~11-20 s each on CI's cores, where the whole every-variant compile is the longest phase:
     # 22 shapes put CI at 30.5 min; vLLM installs the DSL)

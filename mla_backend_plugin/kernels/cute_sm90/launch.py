@@ -83,12 +83,13 @@ FP8_DEQUANT_MAX_BATCH = 2
 
 
 # fp8 caches, CUTE_MLA_FP8_DESIGN=auto, fp8 q: design C ("fp8seesaw", kernel_fp8seesaw.py, an fp8 q only) from this
-# batch, design B below; design C stays a tuner candidate at every batch (configs). Measured (H200, 2026-11-29,
-# benchmarks/results/fp8_epilogue_h200/small_batch.txt, C against B at B 2-16 x S 1k-32k x q_len 1-2 in one run
-# beside FlashMLA): C / B 0.91 at B=8 (0.80-0.98, but 1.07 at S = 1k q_len 1), 0.89 at B=12; at B 2-4 C wins from
-# S = 4-8k and loses up to 1.23x at S <= 2k, so design B stays there (the launch knows the batch, not the step's
-# lengths). Earlier thresholds (32, then 16) and their grids: docs/perf/cute_sm90_fp8.md.
-FP8_SEESAW_MIN_BATCH = 8
+# batch, design B below; design C stays a tuner candidate at every batch (configs). Measured on design C's lean
+# softmax (H200, 2026-11-29, benchmarks/results/fp8_softmax_h200/small_batch.txt, C against B at B 1-6 x S 1k-32k x
+# q_len 1-2 beside FlashMLA): C / B 0.89 at B=6 (0.73-1.07, the 1.07 at S = 1-2k q_len 1), 0.93 at B=4 but 1.19 at
+# S = 1k, 1.01 at B=2; C wins from S = 4-8k at every batch and loses up to 1.23x at S <= 2k below 6, so design B
+# stays there (the launch knows the batch, not the step's lengths). Earlier thresholds (32, 16, 8) and their
+# grids: docs/perf/cute_sm90_fp8.md.
+FP8_SEESAW_MIN_BATCH = 6
 
 
 def fp8_design_for(args) -> str:
