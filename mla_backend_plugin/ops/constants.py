@@ -26,6 +26,9 @@ WORK_ITEM_INTS = 9
 # that falls in it moves the whole request to the next share (ops/plan.py ``share_schedule``; the CPU model
 # of benchmarks/model_schedules.py puts a CTA's fixed cost at 1.5 tiles).
 SHARE_REQUEST_COST = 2
+# The largest running-max slack a launch may ask for (log2 units; LaunchConfig.max_slack, the seesaw schedules of
+# cute_sm90: kernels/cute_sm90/config.py): P = exp2(s - m) reaches up to 2^slack.
+MAX_SLACK = 8.0
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn

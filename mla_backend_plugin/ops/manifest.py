@@ -46,6 +46,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from mla_backend_plugin.ops.constants import MAX_SLACK
+
 SPLIT_PLANS = ("balanced", "uniform", "shares", "auto")
 FP8_DESIGNS = ("fp8mma", "dequant", "fp8seesaw")
 MAX_L2_PREFETCH = 2  # LaunchConfig.l2_prefetch: tile pairs ahead
@@ -105,8 +107,9 @@ class LaunchConfig:
         if self.kv_multicast is not None and not isinstance(self.kv_multicast, bool):
             raise ValueError(f"LaunchConfig: kv_multicast must be True, False or None, got {self.kv_multicast!r}")
         if self.max_slack is not None and not (isinstance(self.max_slack, (int, float))
-                                               and 0 <= self.max_slack <= 8):
-            raise ValueError(f"LaunchConfig: max_slack must be a number in 0..8 or None, got {self.max_slack!r}")
+                                               and 0 <= self.max_slack <= MAX_SLACK):
+            raise ValueError(f"LaunchConfig: max_slack must be a number in 0..{MAX_SLACK:g} or None, "
+                             f"got {self.max_slack!r}")
         if self.max_splits is not None and not 1 <= self.max_splits <= 64:
             raise ValueError(f"LaunchConfig: max_splits must be in 1..64, got {self.max_splits}")
         if self.long_splits is not None and not 1 <= self.long_splits <= 64:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from mla_backend_plugin.kernels.cute_common.variant import Variant as CuteVariant
+from mla_backend_plugin.ops.constants import MAX_SLACK
 from mla_backend_plugin.ops.manifest import SCHEDULES  # kernel_seesaw.py, kernel.py (lock step)
 
 # One CTA owns 64 query rows (one wgmma M) of one request and one KV split, and walks the split's keys in
@@ -52,8 +53,8 @@ KV_CLUSTER = 2
 # row of the warp moved) is skipped on most tiles. Design C stores P as e4m3(P x p_scale_for(slack)) <= 448. The
 # cost: a row's largest P is no longer exactly 1 (exact in e4m3), so its rounding error reaches the output.
 # Default for design C (nvidia-h200, 2026-11-29; docs/perf/cute_sm90_fp8.md "The running max's slack"): 0.8, the
-# most that keeps P's scale at 256; the 16-bit seesaw keeps 0 (not measured to pay).
-MAX_SLACK = 8.0
+# most that keeps P's scale at 256; the 16-bit seesaw keeps 0 (not measured to pay). The largest slack a variant
+# takes is ops/constants.py's MAX_SLACK (LaunchConfig checks it too).
 # design C: the slack applies from this pair of a split on (its first 2 x 8 tiles = 1024 keys keep the exact max:
 # the max moves on most of them anyway, and a 1k-token split keeps its accuracy)
 MAX_SLACK_FROM_PAIR = 8

@@ -213,10 +213,10 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     @cute.jit
     def tile_row_max(self, acc_s, tScS, row_limit, scale_log2, tile_start):
         """The tile's row maxima in the log2 domain (quad-reduced: the 4 threads of a row agree) from the raw S,
-        which stays unscaled (``exp_and_sum`` scales it inside its FMA): scale_log2 > 0 (``positive_scale``), so
-        the largest S x scale is the largest S x scale, rounded once, the value the scaled-then-compared form
-        gave. Keys at or past a row's limit become -inf first (a NaN read there too), on a tile that holds such a
-        key for some row of the warp only (a warp-uniform branch: the split's last tile or two); each row's
+        which stays unscaled (``exp_and_sum`` scales it inside its FMA): with scale_log2 > 0 (``positive_scale``)
+        and rounding monotone, max(S) x scale rounded is max(S x scale rounded), the value the scaled-then-compared
+        form gave. Keys at or past a row's limit become -inf first (a NaN read there too), on a tile that holds
+        such a key for some row of the warp only (a warp-uniform branch: the split's last tile or two); each row's
         maximum is a tree of 16 values, not a chain."""
         need = cutlass.Int32(0)
         for half in cutlass.range_constexpr(2):
