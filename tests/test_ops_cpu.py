@@ -724,6 +724,13 @@ def test_kept_checks_still_refuse_bad_input(monkeypatch):
     assert len(checked) == 1 + 2 * len(refusals)
     with pytest.raises(ValueError, match="step: must be a StepPlans"):  # not an input the fingerprint holds
         call(*inp.call_args(), step=object())
+    # a float dequantisation scale's sign is part of the fingerprint: a kept fp8 form does not let a bad one through
+    fp8 = make_decode_inputs(2, [5, 70], 1, 16, 16, FP8, "cat", "cpu", 9, kv_scale=2.0)
+    call(*fp8.call_args(), kv_scale=2.0)
+    call(*fp8.call_args(), kv_scale=3.0)
+    for bad in (-2.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="kv_scale: must be a positive finite number"):
+            call(*fp8.call_args(), kv_scale=bad)
 
 
 def test_workspace_keeps_output_views_and_checked_plans():

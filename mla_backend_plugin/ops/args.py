@@ -257,16 +257,17 @@ def _scale_meta(scale) -> tuple | type | None:
         return scale.shape, scale.dtype, scale.device
     if type(scale) not in (float, int):
         raise TypeError  # other numbers: checked every call
-    return type(scale)
+    return type(scale), math.isfinite(scale) and scale > 0  # the check refuses the rest
 
 
 def call_fingerprint(q, kv_cache, block_table, seq_lens, softmax_scale, q_len, q_scale, kv_scale, out, lse,
                      out_dtype, row_kv_lens, need_lse, dcp) -> tuple | None:
     """Everything of a call's inputs that ``check_call``'s verdict and ``CallForm``, and the kernel decision
     (``DecodeArgs.signature``), depend on: types, shapes, strides, dtypes, devices, the 16-byte alignment of the
-    tensors kernels load, the scale forms, whether softmax_scale is positive. Calls with one fingerprint are all
-    valid or all not, and share one form and one decision (mla_decode keeps both per workspace, so an engine's
-    layers and steps check a shape once). None for inputs of other kinds (they are checked every call)."""
+    tensors kernels load, the scale forms, whether softmax_scale and a float q / kv scale are positive. Calls with
+    one fingerprint are all valid or all not, and share one form and one decision (mla_decode keeps both per
+    workspace, so an engine's layers and steps check a shape once). None for inputs of other kinds (they are
+    checked every call)."""
     try:
         if type(need_lse) is not bool or type(softmax_scale) not in (float, int) \
                 or not (q_len is None or type(q_len) is int) \
