@@ -207,7 +207,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
     @property
     def log2_p_scale(self) -> float:
         """log2 of ``p_scale`` (a power of two): the softmax computes p_scale P as exp2(s - (m - log2_p_scale)),
-        so the row sums carry the scale too and P goes to e4m3 with no multiply (``exp_base_scaled``)."""
+        so the row sums carry the scale too and P goes to e4m3 with no multiply (``exp_and_sum``)."""
         return float(math.log2(self.p_scale))
 
     @cute.jit
@@ -233,13 +233,15 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def exp_and_sum(self, acc_s, row_sum, alpha, m_use, scale_log2):
-        """P x p_scale = exp2(S x scale - m_use) (one FMA and the exp a value: ``m_use`` carries the scale,
-        ``exp_base_scaled``) in place of the raw S; l = l alpha + sum P."""
+        """P x p_scale = exp2(S x scale - (m_use - log2_p_scale)) in place of the raw S (one FMA and the exp a
+        value; the exp base lowered by ``log2_p_scale``, exact: a small integer); l = l alpha + sum P."""
+        base = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         for half in cutlass.range_constexpr(2):
             row_sum[half] = row_sum[half] * alpha[half]
+            base[half] = m_use[half] - self.log2_p_scale
         for v in cutlass.range_constexpr(cute.size(acc_s)):
             half = (v >> 1) & 1
-            p = cute.math.exp2(acc_s[v] * scale_log2 - m_use[half], fastmath=True)
+            p = cute.math.exp2(acc_s[v] * scale_log2 - base[half], fastmath=True)
             acc_s[v] = p
             row_sum[half] = row_sum[half] + p
 
@@ -252,13 +254,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         if not (scale_log2 > 0.0):
             s = cutlass.Float32.nan
         return s
-
-    @cute.jit
-    def exp_base_scaled(self, m_use):
-        """The exp bases of this tile's two row halves, lowered by ``log2_p_scale`` (exact: a small integer)."""
-        if cutlass.const_expr(self.log2_p_scale != 0.0):
-            for half in cutlass.range_constexpr(2):
-                m_use[half] = m_use[half] - self.log2_p_scale
 
     @cute.jit
     def slack_at(self, i):
@@ -516,7 +511,7 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def store_p_t(self, acc_s, p_addr, warp, lane):
-        """P (fp32 in ``acc_s``, already x p_scale: ``exp_base_scaled``) as e4m3 into the P^T tile at ``p_addr``,
+        """P (fp32 in ``acc_s``, already x p_scale: ``exp_and_sum``) as e4m3 into the P^T tile at ``p_addr``,
         key k at slot ``slot_of_key(k)`` (``p_offset`` in the form ``p_thread_base``: value v of the m64n64
         accumulator is row 16 warp + lane // 4 + 8 ((v >> 1) & 1), key 8 (v >> 2) + 2 (lane % 4) + (v & 1)); fenced
         for the wgmma (async proxy)."""
@@ -626,7 +621,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # m_A -> the right group, which needs nothing else of this group before P_FULL: it computes m_B and
                 # its P_B while this group computes P_A
                 rings.m_a.arrive(i)
-                self.exp_base_scaled(m_use)
                 self.exp_and_sum(acc_s, row_sum, alpha, m_use, scale_log2)
                 if i > 0:  # the right group has retired the previous P_A V_A
                     rings.pa_free.wait_filled(i - 1)
@@ -668,7 +662,6 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.post_factors(sAlpha, RIGHT_TO_A + parity, tScS, to_a, lane, warp)
                 self.post_factors(sAlpha, RIGHT_TO_B + parity, tScS, to_b, lane, warp)
                 rings.m_b.arrive(i)  # m_B -> the left group (this group waits for it only at P_FULL)
-                self.exp_base_scaled(m_use)
                 self.exp_and_sum(acc_s, row_sum, alpha, m_use, scale_log2)
                 # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
                 # read that buffer, before P_FULL of pair i - 1
