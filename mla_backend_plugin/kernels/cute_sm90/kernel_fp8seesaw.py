@@ -40,7 +40,9 @@ benchmarks/results/fp8seesaw_h100/racecheck).
 Each P V loads and issues one k-step (16 fragment registers) at a time, with a wait between the two: 32
 fragment registers next to O^T (128), S (32) and Q's rope (8) made ptxas serialise every wgmma (C7511) at 240
 registers. Each group issues its next tile's S between its P_A V_A k-steps, so the S runs on the tensor pipe
-while the groups exchange maxima and write P, and is done when the next pair starts.
+while the groups exchange maxima and write P, and is done when the next pair starts. P_A V_A's first k-step
+fragments are loaded before the group waits for P_A (``load_first_step``: they need the tile, not P), so the
+loads and permutes run in the wait rather than after it.
 
 Keys past the split's end (TMA loads whole page slices; NaN possible there) are masked in S and zeroed byte by
 byte in the V^T fragments. The accumulator's O^T rows are latent columns in the order ``latent_of_row``; the
@@ -465,12 +467,13 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
 
     @cute.jit
     def pv_step(self, pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side: cutlass.Constexpr,
-                k: cutlass.Constexpr, lane, valid, r=None, p_stage=0):
+                k: cutlass.Constexpr, lane, valid, r=None, p_stage=0, loaded: cutlass.Constexpr = False):
         """k-step ``k`` of O^T += V_tile^T P^T for this group's 256 latent columns: load the step's fragments and
         issue its 4 m-tiles as one wgmma group (the caller waits for the previous step before reusing ``rV``); the
         tile is released after the last step's loads (this warp's last read of it: the wgmmas read registers and
-        P^T)."""
-        self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, k, lane, valid, r)
+        P^T). ``loaded``: the caller loaded them already (``load_first_step``)."""
+        if cutlass.const_expr(not loaded):
+            self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, k, lane, valid, r)
         if cutlass.const_expr(k == PV_STEPS - 1):
             if lane == 0:
                 rings.empty_k.arrive(tile)
@@ -493,14 +496,24 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
         self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 1, lane, valid, r1, p_stage)
 
     @cute.jit
+    def load_first_step(self, rV, rings, k_base, tile, side: cutlass.Constexpr, warp, lane, valid):
+        """k-step 0's V^T fragments of ``tile`` into ``rV`` ahead of its ``issue_pv_t_then_qk(..., thread_addr)``:
+        the loads and permutes need the tile, not P, so a group runs them before it waits for P (the caller has
+        retired the wgmma that last read ``rV``); returns the thread's ldmatrix address for the rest."""
+        thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
+        self.load_vt(cute.recast_tensor(rV, cutlass.Int32), thread_addr, side, 0, lane, valid)
+        return thread_addr
+
+    @cute.jit
     def issue_pv_t_then_qk(self, pv_mma, acc_t, rV, tOrP, rings, k_base, tile, side: cutlass.Constexpr, warp, lane,
-                           valid, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, next_tile, has_next):
+                           valid, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, next_tile, has_next,
+                           thread_addr):
         """``issue_pv_t`` with S of ``next_tile`` (when ``has_next``) issued between the two k-steps: it runs on the
         tensor pipe while this group waits for its first k-step and through the max exchange, so the next tile's
         S is done by the time the group needs it (wgmma groups retire in order: waiting for all but the newest
-        one retires the first k-step)."""
-        thread_addr = self.pv_thread_addr(rings, k_base, tile, warp, lane)
-        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid)
+        one retires the first k-step). k-step 0's fragments are in ``rV`` already (``load_first_step``, which gave
+        ``thread_addr``)."""
+        self.pv_step(pv_mma, acc_t, rV, tOrP, rings, thread_addr, tile, side, 0, lane, valid, loaded=True)
         r1 = self.ldsm_vt(thread_addr, side, 1)  # k-step 1's loads under the S issue and the wait (issue_pv_t)
         if has_next:
             self.issue_qk(qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg, tSrK, rings, next_tile)
@@ -628,13 +641,15 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 self.store_p_t(acc_s, pa, warp, lane)
                 self.post_factors(sAlpha, LEFT_TO_A, tScS, alpha, lane, warp)
                 rings.left_p.arrive(i)
-                rings.left_p.wait_filled(i)
                 warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
+                # P_A V_A's first fragments while the group meets
+                thread_addr = self.load_first_step(rV, rings, k_base, 2 * i, 0, warp, lane, kv_end - tile_start)
+                rings.left_p.wait_filled(i)
                 self.rescale_o_t(acc_t, sAlpha, LEFT_TO_A, lane)
                 # P_A V_A with S_A of the next pair issued between its k-steps
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 0, warp, lane,
                                         kv_end - tile_start, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ, tSrQreg,
-                                        tSrK, 2 * i + 2, i + 1 < n_pairs)
+                                        tSrK, 2 * i + 2, i + 1 < n_pairs, thread_addr)
                 rings.m_b.wait_filled(i)  # m_B <- the right group
                 self.left_factor_to_right_max(sMaxB, i, tScS, m_a, row_max, alpha)
                 self.post_factors(sAlpha, LEFT_TO_B, tScS, alpha, lane, warp)
@@ -666,13 +681,16 @@ class Sm90MlaDecodeFp8Seesaw(Sm90MlaDecodeFp8Mma):
                 # P_B of pair i into sP1 (even i) or sPB (odd): both groups retired the P_B V_B of pair i - 2, which
                 # read that buffer, before P_FULL of pair i - 1
                 self.store_p_t(acc_s, p1 + (i % 2) * (BLOCK_M * BLOCK_N), warp, lane)
-                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
                 warpgroup.wait_group(0)  # the previous P_B V_B: O^T and the fragments are free
+                # P_A V_A's first fragments before the wait for P_A (the tile landed long ago)
+                thread_addr = self.load_first_step(rV, rings, k_base, 2 * i, 1, warp, lane,
+                                                   kv_end - tile_start + BLOCK_N)
+                consumer_sync(Sm90DecodeBarrier.P_FULL)  # P_B written, this group's factors posted
                 # O = (O f_A + P_A V_A) f_B + P_B V_B: P_A is at m_A; S_B of the next pair between P_A V_A's k-steps
                 self.rescale_o_t(acc_t, sAlpha, RIGHT_TO_A + parity, lane)
                 self.issue_pv_t_then_qk(pv_mma, acc_t, rV, tOrPA, rings, k_base, 2 * i, 1, warp, lane,
                                         kv_end - tile_start + BLOCK_N, qk_mma, qk_acc_mma, qk_rs_mma, acc_s, tSrQ,
-                                        tSrQreg, tSrK, 2 * i + 3, i + 1 < n_pairs)
+                                        tSrQreg, tSrK, 2 * i + 3, i + 1 < n_pairs, thread_addr)
                 warpgroup.wait_group(0)  # P_A V_A,right (and the next S_B)
                 if i + 1 < n_pairs:
                     rings.pa_free.arrive(i)
